@@ -1,0 +1,191 @@
+"""URLs to filesystems: the only place in forgeline that knows URL schemes.
+
+A tiny surface over `fsspec.core.url_to_fs`, in the spirit of fsspec/s3fs themselves:
+
+    file:///abs/path, plain paths   -> local disk (the default store is ./artifacts)
+    s3://bucket/prefix              -> s3fs; endpoint and credentials come from the standard AWS_*
+                                       environment (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...) or
+                                       fsspec config, never from code
+    memory://name                   -> fsspec's in-process memory filesystem (tests)
+
+Everything here works on whole URLs; `storage.artifacts` builds the commit protocol on top.
+"""
+
+from __future__ import annotations
+
+import os
+import posixpath
+import shutil
+from pathlib import Path
+from typing import IO, Any
+
+import fsspec
+from fsspec.core import url_to_fs
+
+SCHEMES = ("file", "s3", "memory")
+
+
+class StorageKeyError(ValueError):
+    """A key that would escape its store's root, or a URL with an unsupported scheme."""
+
+
+def scheme_of(url: str) -> str:
+    """`s3://b/k` -> "s3"; a plain path -> "file"."""
+    if "://" not in url:
+        return "file"
+    return url.split("://", 1)[0].lower()
+
+
+def normalize_url(url: str) -> str:
+    """A canonical URL: plain and relative paths become absolute `file://` URLs; no trailing slash."""
+    scheme = scheme_of(url)
+    if scheme not in SCHEMES:
+        raise StorageKeyError(f"unsupported URL scheme {scheme!r} in {url!r}; use one of {', '.join(SCHEMES)}")
+    if scheme == "file":
+        path = url[len("file://"):] if url.startswith("file://") else url
+        return "file://" + str(Path(path).expanduser().resolve())
+    return url.rstrip("/")
+
+
+def _fs(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
+    url = normalize_url(url)
+    kwargs: dict[str, Any] = {}
+    if scheme_of(url) == "s3":
+        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        if endpoint:
+            kwargs["endpoint_url"] = endpoint
+        # Never reuse a cached instance across credential/endpoint changes (tests start servers).
+        kwargs["skip_instance_cache"] = True
+    return url_to_fs(url, **kwargs)
+
+
+def join(url: str, key: str) -> str:
+    """`url/key` after checking that `key` stays under `url` (no `..`, no absolute path, no scheme)."""
+    check_key(key)
+    return normalize_url(url) + "/" + key.strip("/") if key.strip("/") else normalize_url(url)
+
+
+def check_key(key: str) -> str:
+    """Reject keys that escape the root they are joined to."""
+    if "://" in key or key.startswith(("/", "\\")) or (len(key) > 1 and key[1] == ":"):
+        raise StorageKeyError(f"storage key {key!r} must be relative to the store root")
+    norm = posixpath.normpath(key.replace("\\", "/")) if key else ""
+    if norm == ".." or norm.startswith("../") or any(part == ".." for part in key.replace("\\", "/").split("/")):
+        raise StorageKeyError(f"storage key {key!r} escapes the store root")
+    return key
+
+
+# -- Reading and writing whole URLs -------------------------------------------------------------
+
+
+def open_url(url: str, mode: str = "rb", **kwargs: Any) -> IO:
+    """Open a file URL; the caller closes it (use it as a context manager)."""
+    fs, path = _fs(url)
+    if "w" in mode or "a" in mode:
+        parent = posixpath.dirname(path)
+        if parent and scheme_of(url) != "s3":
+            fs.makedirs(parent, exist_ok=True)
+    return fs.open(path, mode, **kwargs)
+
+
+def exists(url: str) -> bool:
+    fs, path = _fs(url)
+    return fs.exists(path)
+
+
+def is_dir(url: str) -> bool:
+    fs, path = _fs(url)
+    return fs.isdir(path)
+
+
+def read_bytes(url: str) -> bytes:
+    fs, path = _fs(url)
+    return fs.cat_file(path)
+
+
+def write_bytes(url: str, data: bytes) -> None:
+    """A single-object write: atomic per key on S3, the only atomic primitive we rely on."""
+    with open_url(url, "wb") as f:
+        f.write(data)
+
+
+def list_files(url: str) -> list[str]:
+    """The URL itself if it is a file; every file under it if it is a folder; glob matches if it has `*`.
+
+    Returns full URLs, sorted. Raises FileNotFoundError naming the URL when nothing is there.
+    """
+    url = normalize_url(url)
+    fs, path = _fs(url)
+    scheme = scheme_of(url)
+    if "*" in path:
+        found = [p for p in fs.glob(path) if fs.isfile(p)]
+    elif fs.isdir(path):
+        found = [p for p in fs.find(path) if not posixpath.basename(p).startswith(".")]
+    elif fs.exists(path):
+        found = [path]
+    else:
+        found = []
+    if not found:
+        raise FileNotFoundError(f"no such file or folder: {url}")
+    return sorted(_unstrip(scheme, p) for p in found)
+
+
+def _unstrip(scheme: str, path: str) -> str:
+    if scheme == "file":
+        return "file://" + path
+    if scheme == "memory":
+        return "memory://" + path.lstrip("/")
+    return f"{scheme}://{path}"
+
+
+def rm(url: str) -> None:
+    """Delete a file or a folder recursively; missing is fine."""
+    fs, path = _fs(url)
+    if fs.exists(path):
+        fs.rm(path, recursive=True)
+
+
+def upload_dir(local_dir: str | Path, url: str) -> list[str]:
+    """Copy every file under `local_dir` to `url/<relative path>`; returns the relative paths copied."""
+    local_dir = Path(local_dir)
+    rels = sorted(p.relative_to(local_dir).as_posix() for p in local_dir.rglob("*") if p.is_file())
+    for rel in rels:
+        upload_file(local_dir / rel, join(url, rel))
+    return rels
+
+
+def upload_file(local: str | Path, url: str) -> None:
+    if scheme_of(url) == "file":
+        dest = Path(normalize_url(url)[len("file://"):])
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(local, dest)
+        return
+    fs, path = _fs(url)
+    fs.put_file(str(local), path)
+
+
+def download_dir(url: str, local_dir: str | Path) -> Path:
+    """Copy every file under the folder `url` into `local_dir` (created); returns `local_dir`."""
+    base = normalize_url(url)
+    local_dir = Path(local_dir)
+    for file_url in list_files(base):
+        rel = file_url[len(base):].lstrip("/")
+        dest = local_dir / rel
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        download_file(file_url, dest)
+    return local_dir
+
+
+def download_file(url: str, local: str | Path) -> None:
+    if scheme_of(url) == "file":
+        shutil.copyfile(normalize_url(url)[len("file://"):], local)
+        return
+    fs, path = _fs(url)
+    fs.get_file(path, str(local))
+
+
+def local_path(url: str) -> Path | None:
+    """The local filesystem path behind a `file://` URL (or plain path); None for remote URLs."""
+    if scheme_of(url) != "file":
+        return None
+    return Path(normalize_url(url)[len("file://"):])
