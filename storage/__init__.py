@@ -19,6 +19,7 @@ from storage.fs import (
     is_dir,
     join,
     list_files,
+    listing_signature,
     local_path,
     normalize_url,
     open_url,
@@ -33,6 +34,6 @@ from storage.fs import (
 __all__ = [
     "MANIFEST", "ArtifactError", "ArtifactRef", "Store", "StorageKeyError", "code_version",
     "download_dir", "download_file", "exists", "fingerprint", "git_sha", "is_dir", "join",
-    "list_files", "local_path", "normalize_url", "open_url", "read_bytes", "rm", "scheme_of",
+    "list_files", "listing_signature", "local_path", "normalize_url", "open_url", "read_bytes", "rm", "scheme_of",
     "sha256_file", "upload_dir", "upload_file", "write_bytes",
 ]

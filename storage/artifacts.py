@@ -23,6 +23,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
@@ -82,7 +83,7 @@ def code_version() -> str:
     clean clone of the same code agree, and makes edits to flows/ or tests/ not invalidate caches.
     """
     root = Path(__file__).resolve().parent.parent
-    h = hashlib.sha256()
+    h = hashlib.sha256(f"python{sys.version_info[0]}.{sys.version_info[1]}".encode())  # builtin corpora vary
     for pkg in _CODE_PACKAGES:
         for path in sorted((root / pkg).rglob("*.py")):
             h.update(path.relative_to(root).as_posix().encode())

@@ -189,3 +189,16 @@ def local_path(url: str) -> Path | None:
     if scheme_of(url) != "file":
         return None
     return Path(normalize_url(url)[len("file://"):])
+
+
+def listing_signature(url: str) -> list[list[Any]]:
+    """(relative path, size, etag-or-mtime) for every file under `url`: cheap change detection for
+    inputs that are not our artifacts (a user's base checkpoint), without hashing terabytes."""
+    base = normalize_url(url)
+    fs_, _ = _fs(base)
+    out = []
+    for file_url in list_files(base):
+        info = fs_.info(_fs(file_url)[1])
+        stamp = info.get("ETag") or info.get("etag") or info.get("mtime") or info.get("LastModified")
+        out.append([file_url[len(base):].lstrip("/"), info.get("size"), str(stamp)])
+    return out

@@ -1,0 +1,549 @@
+"""Data prep: corpus -> tokenizer + packed Parquet shards + held-out prompts, in one local folder.
+
+    python -m tasks.data_prep --corpus builtin://python-stdlib --out /tmp/dp
+    python -m tasks.data_prep --corpus builtin://python-stdlib-functions --out /tmp/dpf \
+        --tokenizer /tmp/dp/tokenizer.json --set seq_len=512
+
+Output folder (the stage framework uploads it and writes the manifest; this module never does):
+
+    tokenizer.json          HF `tokenizers` JSON: the base checkpoint's (copied) or a byte-level BPE
+                            trained here on the train split (pad=0, bos=1, eos=2, <|user|>, <|assistant|>)
+    special_tokens.json     {"pad", "bos", "eos": ids, "pad_token", ...: their spellings, "vocab_size"}
+    train-00000.parquet ... packed rows, `shard_rows` per file, each column a list of exactly `seq_len`:
+    valid-00000.parquet ...   input_ids int32, target_ids int32 (the next token), positions int32
+                              (0.. within each segment), segment_ids int32 (1, 2, ... per segment in
+                              the row, 0 = padding), loss_mask int8 (1 where target_ids is a real next
+                              token of the same document and inside its loss region)
+    prompts.parquet         held-out generation prompts from the valid split: prompt_ids (bos + prompt),
+                            reference_ids (true continuation [+ eos]), prompt_text
+
+Documents are `bos + tokens + eos`. Plain text trains on every target; prompt/completion and chat
+documents train on completion targets only (and the eos closing each assistant turn). The split is a
+sha1 hash of the document's group (`split_of`), unsalted so that every corpus and every run agrees.
+
+Everything is streamed: the corpus is read lazily twice (once to train the tokenizer when none is
+given, once to pack), documents are tokenized in small batches, at most `_OPEN_ROWS` partly filled
+rows plus one shard of finished rows are held per split, and shards are written as they fill.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import itertools
+import json
+import logging
+import random
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from tasks import corpora
+from tasks.corpora import Document
+
+log = logging.getLogger(__name__)
+
+SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", corpora.USER, corpora.ASSISTANT]
+
+# Candidate spellings for a supplied tokenizer, most specific first (tokenizer_config.json wins).
+EOS_CANDIDATES = ["<|eos|>", "<|endoftext|>", "<|end_of_text|>", "</s>", "<｜end▁of▁sentence｜>", "<eos>",
+                  "<|end|>", "<|im_end|>", "<|eot_id|>", "[SEP]"]
+BOS_CANDIDATES = ["<|bos|>", "<|begin_of_text|>", "<s>", "<｜begin▁of▁sentence｜>", "<bos>",
+                  "<|startoftext|>", "[CLS]"]
+PAD_CANDIDATES = ["<|pad|>", "<pad>", "[PAD]", "<|finetune_right_pad_id|>", "<|padding|>"]
+
+PROMPT_CAP = 64  # plain text prompts: first half of the document, at most this many tokens ...
+REFERENCE_CAP = 64  # ... and the next at most this many tokens as the reference
+_OPEN_ROWS = 8  # partly filled rows kept open per split for first-fit packing
+_ENCODE_BATCH_DOCS = 64
+_ENCODE_BATCH_CHARS = 4_000_000
+
+ROW_SCHEMA = pa.schema([
+    ("input_ids", pa.list_(pa.int32())),
+    ("target_ids", pa.list_(pa.int32())),
+    ("positions", pa.list_(pa.int32())),
+    ("segment_ids", pa.list_(pa.int32())),
+    ("loss_mask", pa.list_(pa.int8())),
+])
+PROMPT_SCHEMA = pa.schema([
+    ("prompt_ids", pa.list_(pa.int32())),
+    ("reference_ids", pa.list_(pa.int32())),
+    ("prompt_text", pa.string()),
+])
+SPLITS = ("train", "valid")
+
+
+class DataPrepConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    corpus: str = "builtin://python-stdlib"  # URL / path / glob read through `storage`, or builtin://NAME
+    format: Literal["auto", "jsonl", "parquet", "text"] = "auto"  # auto: by file extension
+    text_field: str = "text"
+    messages_field: str = "messages"
+    seq_len: int = Field(256, ge=8, le=1 << 20)
+    vocab_size: int = Field(4096, ge=len(SPECIAL_TOKENS) + 256 + 1)  # only when training a tokenizer
+    valid_fraction: float = Field(0.05, ge=0.0, lt=1.0)
+    max_documents: int | None = Field(None, ge=1)
+    max_prompts: int = Field(64, ge=0)
+    shard_rows: int = Field(2048, ge=1)
+    seed: int = 0  # which valid documents become prompts (reservoir sample); the split is unseeded
+
+
+def split_of(group: str, valid_fraction: float) -> str:
+    """'valid' or 'train': a stable sha1 hash of the group, the same on every run, machine and corpus."""
+    h = int.from_bytes(hashlib.sha1(group.encode("utf-8")).digest()[:8], "big") / 2.0**64
+    return "valid" if h < valid_fraction else "train"
+
+
+# ----------------------------------------------------------------------------------------------
+# tokenizer
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int):
+    """Byte-level BPE (pad=0, bos=1, eos=2, then <|user|>, <|assistant|>) trained on a text stream."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, min_frequency=2, special_tokens=SPECIAL_TOKENS, show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # every byte encodable, seen or not
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    return tok
+
+
+def _token_name(value) -> str | None:
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) and value else None
+
+
+def find_special_tokens(tok, tokenizer_config: dict | None = None) -> dict:
+    """pad/bos/eos ids of a tokenizer: tokenizer_config.json's names first, then known spellings."""
+    cfg = tokenizer_config or {}
+
+    def pick(key: str, candidates: list[str]) -> tuple[str, int] | None:
+        for name in [_token_name(cfg.get(f"{key}_token")), *candidates]:
+            if name is not None and (i := tok.token_to_id(name)) is not None:
+                return name, i
+        return None
+
+    eos = pick("eos", EOS_CANDIDATES)
+    if eos is None:
+        raise ValueError(
+            "tokenizer: no end-of-sequence token found (looked for tokenizer_config.json's eos_token and "
+            + ", ".join(EOS_CANDIDATES) + ")"
+        )
+    bos = pick("bos", BOS_CANDIDATES) or eos  # GPT-2/Qwen style: the eos token also opens documents
+    pad = pick("pad", PAD_CANDIDATES) or eos  # padding is masked out everywhere; its id only fills space
+    out = {"pad": pad[1], "bos": bos[1], "eos": eos[1],
+           "pad_token": pad[0], "bos_token": bos[0], "eos_token": eos[0]}
+    for key, name in (("user", corpora.USER), ("assistant", corpora.ASSISTANT)):
+        if (i := tok.token_to_id(name)) is not None:
+            out[key] = i
+    return out
+
+
+def _read_bytes(location: str) -> bytes:
+    if "://" in location:
+        import storage
+
+        with storage.open_url(location, "rb") as f:
+            return f.read()
+    return Path(location).read_bytes()
+
+
+def load_tokenizer(location: Path | str) -> tuple[bytes, dict | None]:
+    """The raw tokenizer.json (a file, or a checkpoint folder holding one) and its tokenizer_config.json."""
+    loc = str(location)
+    if "://" not in loc and Path(loc).is_dir():
+        loc = str(Path(loc) / "tokenizer.json")
+    try:
+        raw = _read_bytes(loc)
+    except FileNotFoundError:
+        raise ValueError(f"tokenizer: no such file: {loc}") from None
+    try:
+        cfg = json.loads(_read_bytes(loc.rsplit("/", 1)[0] + "/tokenizer_config.json")) if "/" in loc else None
+    except (OSError, ValueError):
+        cfg = None
+    return raw, cfg if isinstance(cfg, dict) else None
+
+
+# ----------------------------------------------------------------------------------------------
+# packing
+
+
+class _ShardWriter:
+    """Greedy first-fit packing of segments into rows; rows buffered one shard at a time."""
+
+    def __init__(self, out_dir: Path, split: str, seq_len: int, shard_rows: int, pad_id: int):
+        self.out_dir, self.split, self.T, self.shard_rows, self.pad = out_dir, split, seq_len, shard_rows, pad_id
+        self.open: list[list] = []  # [fill, nseg, ids, tgt, pos, seg, mask]
+        self.buf = {name: np.zeros((shard_rows, seq_len), np.int8 if name == "loss_mask" else np.int32)
+                    for name in ROW_SCHEMA.names}
+        self.n_buf = 0
+        self.shards: list[str] = []
+        self.rows = self.real_tokens = self.loss_tokens = 0
+
+    def _new_row(self) -> list:
+        T = self.T
+        return [0, 0, np.full(T, self.pad, np.int32), np.full(T, self.pad, np.int32),
+                np.zeros(T, np.int32), np.zeros(T, np.int32), np.zeros(T, np.int8)]
+
+    def add_document(self, ids: np.ndarray, trainable: np.ndarray) -> int:
+        """ids: bos + tokens + eos; trainable[i]: token i is a loss target. Returns the chunk count.
+
+        A document longer than a row is cut into `seq_len` chunks; every chunk is its own segment
+        with positions restarting at 0 (a row attends within its segments only, so a continuation
+        chunk sees no earlier context anyway). Targets cross chunk boundaries: the last input of a
+        chunk predicts the first token of the next, so every token after bos is a target once.
+        """
+        L, T = len(ids), self.T
+        n_chunks = 0
+        for a in range(0, L, T):
+            b = min(a + T, L)
+            self._place(ids, trainable, a, b)
+            n_chunks += 1
+        return n_chunks
+
+    def _place(self, ids, trainable, a: int, b: int) -> None:
+        n = b - a
+        row = next((r for r in self.open if self.T - r[0] >= n), None)
+        if row is None:
+            if len(self.open) >= _OPEN_ROWS:
+                fullest = max(self.open, key=lambda r: r[0])
+                self.open.remove(fullest)
+                self._finish(fullest)
+            row = self._new_row()
+            self.open.append(row)
+        f = row[0]
+        e = min(b + 1, len(ids))  # targets ids[a+1 : b+1]; the document's last token has none
+        row[2][f : f + n] = ids[a:b]
+        row[3][f : f + e - a - 1] = ids[a + 1 : e]
+        row[4][f : f + n] = np.arange(n, dtype=np.int32)
+        row[5][f : f + n] = row[1] + 1
+        row[6][f : f + e - a - 1] = trainable[a + 1 : e]
+        row[0] += n
+        row[1] += 1
+        self.real_tokens += n
+        if row[0] == self.T:
+            self.open.remove(row)
+            self._finish(row)
+
+    def _finish(self, row: list) -> None:
+        for name, arr in zip(ROW_SCHEMA.names, row[2:], strict=True):
+            self.buf[name][self.n_buf] = arr
+        self.loss_tokens += int(row[6].sum())
+        self.n_buf += 1
+        self.rows += 1
+        if self.n_buf == self.shard_rows:
+            self._flush()
+
+    def _flush(self) -> None:
+        n, T = self.n_buf, self.T
+        offsets = pa.array(np.arange(0, (n + 1) * T, T, dtype=np.int32))
+        table = pa.table(
+            [pa.ListArray.from_arrays(offsets, pa.array(self.buf[name][:n].reshape(-1)))
+             for name in ROW_SCHEMA.names],
+            schema=ROW_SCHEMA,
+        )
+        name = f"{self.split}-{len(self.shards):05d}.parquet"
+        with pq.ParquetWriter(self.out_dir / name, ROW_SCHEMA, compression="zstd") as w:
+            w.write_table(table, row_group_size=min(n, 1024) or None)
+        self.shards.append(name)
+        self.n_buf = 0
+
+    def close(self) -> dict:
+        for row in self.open:
+            self._finish(row)
+        self.open = []
+        if self.n_buf or not self.shards:  # an empty split still gets one (empty) shard with the schema
+            self._flush()
+        return {"rows": self.rows, "shards": len(self.shards), "loss_tokens": self.loss_tokens,
+                "fill": round(self.real_tokens / max(1, self.rows * self.T), 4)}
+
+
+def _doc_pieces(doc: Document) -> list[str]:
+    pieces = [t for exchange in doc.history for t in exchange]
+    if doc.prompt is not None:
+        pieces.append(doc.prompt)
+    pieces.append(doc.completion)
+    return pieces
+
+
+def _assemble(doc: Document, piece_ids: list[list[int]], sp: dict) -> tuple[np.ndarray, np.ndarray, int]:
+    """bos + pieces + eos as (ids, trainable, start of the final completion)."""
+    bos, eos = sp["bos"], sp["eos"]
+    ids: list[int] = [bos]
+    mask: list[bool] = [False]
+    if doc.prompt is None:
+        ids += piece_ids[0]
+        mask += [True] * len(piece_ids[0])
+        start = 1
+    else:
+        for k in range(0, len(piece_ids) - 2, 2):  # earlier exchanges: prompt, completion + eos
+            p, c = piece_ids[k], piece_ids[k + 1]
+            ids += p + c + [eos]
+            mask += [False] * len(p) + [True] * (len(c) + 1)
+        p, c = piece_ids[-2], piece_ids[-1]
+        ids += p
+        mask += [False] * len(p)
+        start = len(ids)
+        ids += c
+        mask += [True] * len(c)
+    ids.append(eos)
+    mask.append(True)
+    return np.asarray(ids, np.int32), np.asarray(mask, np.bool_), start
+
+
+def _prompt_record(doc: Document, ids: np.ndarray, start: int, tok, sp: dict, seq_len: int) -> dict | None:
+    if doc.prompt is None:
+        toks = ids[1:-1]
+        n = min(len(toks) // 2, PROMPT_CAP)
+        if n < 1:
+            return None
+        ref = toks[n : n + REFERENCE_CAP].tolist()
+        if n + REFERENCE_CAP >= len(toks):
+            ref.append(sp["eos"])
+        return {"prompt_ids": ids[: n + 1].tolist(), "reference_ids": ref,
+                "prompt_text": tok.decode(toks[:n].tolist(), skip_special_tokens=False)}
+    if start >= seq_len:  # the prompt alone fills the trained context: useless for generation
+        return None
+    text = "".join(p + c + sp["eos_token"] for p, c in doc.history) + doc.prompt
+    return {"prompt_ids": ids[:start].tolist(), "reference_ids": ids[start:][: seq_len - start].tolist(),
+            "prompt_text": text}
+
+
+def _batches(docs: Iterator[Document]) -> Iterator[list[Document]]:
+    batch: list[Document] = []
+    chars = 0
+    for doc in docs:
+        batch.append(doc)
+        chars += sum(len(p) for p in _doc_pieces(doc))
+        if len(batch) >= _ENCODE_BATCH_DOCS or chars >= _ENCODE_BATCH_CHARS:
+            yield batch
+            batch, chars = [], 0
+    if batch:
+        yield batch
+
+
+def _encode_pieces(tok, pieces: list[str]) -> list[list[int]]:
+    encode = getattr(tok, "encode_batch_fast", tok.encode_batch)
+    return [e.ids for e in encode(pieces, add_special_tokens=False)]
+
+
+def _strip_markers(text: str) -> str:
+    return text.replace(corpora.USER, "").replace(corpora.ASSISTANT, "")
+
+
+# ----------------------------------------------------------------------------------------------
+# the stage
+
+
+def prepare(source: corpora.DocumentSource, cfg: DataPrepConfig, out_dir: Path, *,
+            tokenizer_json: Path | str | None = None, corpus_name: str | None = None) -> dict:
+    """`run_local` on any document source (a callable returning a fresh iterator per pass)."""
+    t0 = time.perf_counter()
+    name = corpus_name or cfg.corpus
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=".data_prep-", dir=out_dir))
+    try:
+        stats = _prepare(source, cfg, work, tokenizer_json, name)
+        _publish(work, out_dir)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    stats["seconds"] = round(time.perf_counter() - t0, 2)
+    log.info("data_prep done: %s", json.dumps(stats))
+    return stats
+
+
+def _documents(source: corpora.DocumentSource, cfg: DataPrepConfig) -> Iterator[Document]:
+    return itertools.islice(source(), cfg.max_documents)
+
+
+def _prepare(source, cfg: DataPrepConfig, work: Path, tokenizer_json, name: str) -> dict:
+    from tokenizers import Tokenizer
+
+    # 1. tokenizer
+    if tokenizer_json is not None:
+        raw, tok_cfg = load_tokenizer(tokenizer_json)
+        tok = Tokenizer.from_str(raw.decode("utf-8"))
+        (work / "tokenizer.json").write_bytes(raw)
+        sp = find_special_tokens(tok, tok_cfg)
+        tokenizer_kind = "given"
+    else:
+        seen = {"documents": 0, "train": 0}
+
+        def texts() -> Iterator[str]:
+            for doc in _documents(source, cfg):
+                seen["documents"] += 1
+                if split_of(doc.group, cfg.valid_fraction) != "train":
+                    continue
+                seen["train"] += 1
+                for piece in _doc_pieces(doc):
+                    yield _strip_markers(piece)
+
+        t = time.perf_counter()
+        tok = train_tokenizer(texts(), cfg.vocab_size)
+        if seen["documents"] == 0:
+            raise ValueError(f"corpus: {name} is empty (no documents)")
+        if seen["train"] == 0:
+            raise ValueError(f"corpus: {name} has no training documents (all {seen['documents']} hashed "
+                             f"into the valid split at valid_fraction={cfg.valid_fraction})")
+        log.info("trained a %d-token BPE on %d documents in %.1fs", tok.get_vocab_size(), seen["train"],
+                 time.perf_counter() - t)
+        tok.save(str(work / "tokenizer.json"))
+        sp = find_special_tokens(tok)
+        tokenizer_kind = "trained"
+    sp["vocab_size"] = tok.get_vocab_size(with_added_tokens=True)
+    (work / "special_tokens.json").write_text(json.dumps(sp, indent=2) + "\n")
+
+    # 2. pack
+    writers = {s: _ShardWriter(work, s, cfg.seq_len, cfg.shard_rows, sp["pad"]) for s in SPLITS}
+    counts = {s: {"documents": 0, "tokens": 0, "chunked_documents": 0} for s in SPLITS}
+    skipped_empty = 0
+    reservoir: list[tuple[int, dict]] = []
+    rng = random.Random(cfg.seed)
+    n_candidates = 0
+    last_log = time.perf_counter()
+    for batch in _batches(_documents(source, cfg)):
+        pieces = [_doc_pieces(d) for d in batch]
+        flat = _encode_pieces(tok, [p for ps in pieces for p in ps])
+        k = 0
+        for doc, ps in zip(batch, pieces, strict=True):
+            piece_ids, k = flat[k : k + len(ps)], k + len(ps)
+            if not piece_ids[-1]:  # nothing to train on
+                skipped_empty += 1
+                continue
+            ids, trainable, start = _assemble(doc, piece_ids, sp)
+            split = split_of(doc.group, cfg.valid_fraction)
+            c = counts[split]
+            c["documents"] += 1
+            c["tokens"] += len(ids)
+            c["chunked_documents"] += writers[split].add_document(ids, trainable) > 1
+            if split == "valid" and cfg.max_prompts:
+                rec = _prompt_record(doc, ids, start, tok, sp, cfg.seq_len)
+                if rec is not None:  # reservoir sample: bounded memory, seeded choice
+                    if len(reservoir) < cfg.max_prompts:
+                        reservoir.append((n_candidates, rec))
+                    elif (j := rng.randint(0, n_candidates)) < cfg.max_prompts:
+                        reservoir[j] = (n_candidates, rec)
+                    n_candidates += 1
+        if time.perf_counter() - last_log > 10:
+            last_log = time.perf_counter()
+            log.info("packed %d documents, %d tokens", sum(c["documents"] for c in counts.values()),
+                     sum(c["tokens"] for c in counts.values()))
+    n_docs = sum(c["documents"] for c in counts.values())
+    if n_docs == 0:
+        what = "no tokens" if skipped_empty else "no documents"
+        raise ValueError(f"corpus: {name} is empty ({what})")
+    if counts["train"]["documents"] == 0:
+        raise ValueError(f"corpus: {name} has no training documents (all {n_docs} hashed into the valid "
+                         f"split at valid_fraction={cfg.valid_fraction})")
+    rows = {s: writers[s].close() for s in SPLITS}
+
+    # 3. prompts
+    reservoir.sort(key=lambda x: x[0])
+    prompts = pa.Table.from_pylist([r for _, r in reservoir], schema=PROMPT_SCHEMA)
+    pq.write_table(prompts, work / "prompts.parquet", compression="zstd")
+
+    return {
+        "corpus": name,
+        "tokenizer": tokenizer_kind,
+        "vocab_size": sp["vocab_size"],
+        "special_tokens": {k: sp[k] for k in ("pad", "bos", "eos")},
+        "seq_len": cfg.seq_len,
+        "documents": {s: counts[s]["documents"] for s in SPLITS},
+        "skipped_empty_documents": skipped_empty,
+        "chunked_documents": {s: counts[s]["chunked_documents"] for s in SPLITS},
+        "tokens": {s: counts[s]["tokens"] for s in SPLITS},
+        "loss_tokens": {s: rows[s]["loss_tokens"] for s in SPLITS},
+        "rows": {s: rows[s]["rows"] for s in SPLITS},
+        "shards": {s: rows[s]["shards"] for s in SPLITS},
+        "fill": {s: rows[s]["fill"] for s in SPLITS},
+        "prompts": prompts.num_rows,
+    }
+
+
+_OUTPUT_GLOBS = ("train-*.parquet", "valid-*.parquet", "prompts.parquet", "tokenizer.json",
+                 "special_tokens.json")
+
+
+def _publish(work: Path, out_dir: Path) -> None:
+    """Move the finished files into out_dir, first clearing outputs of an earlier run (stale shards)."""
+    for pattern in _OUTPUT_GLOBS:
+        for p in out_dir.glob(pattern):
+            p.unlink()
+    for p in sorted(work.iterdir()):
+        p.replace(out_dir / p.name)
+
+
+def run_local(cfg: DataPrepConfig, out_dir: Path, *, tokenizer_json: Path | str | None = None) -> dict:
+    """The whole stage into a local folder; returns small JSON-able stats. Raises ValueError on bad input."""
+    source = corpora.resolve(cfg.corpus, format=cfg.format, text_field=cfg.text_field,
+                             messages_field=cfg.messages_field)
+    return prepare(source, cfg, out_dir, tokenizer_json=tokenizer_json)
+
+
+# ----------------------------------------------------------------------------------------------
+# CLI
+
+
+def _parse_value(text: str):
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def config_error_lines(e: ValidationError) -> list[str]:
+    return [f"config: {'.'.join(str(x) for x in err['loc']) or '<root>'}: {err['msg']}" for err in e.errors()]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m tasks.data_prep", description=__doc__.split("\n")[0])
+    ap.add_argument("--corpus", help="URL, path, glob or builtin://NAME (default: builtin://python-stdlib)")
+    ap.add_argument("--out", required=True, type=Path, help="local output folder")
+    ap.add_argument("--tokenizer", help="a base checkpoint's tokenizer.json (or its folder) to use as is")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
+
+    values: dict = {}
+    if args.corpus is not None:
+        values["corpus"] = args.corpus
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        if not sep:
+            ap.error(f"--set {item!r}: expected KEY=VALUE")
+        key = key.strip()
+        field = DataPrepConfig.model_fields.get(key)
+        values[key] = value if field is not None and field.annotation is str else _parse_value(value)
+    try:
+        cfg = DataPrepConfig(**values)
+    except ValidationError as e:
+        print("\n".join(config_error_lines(e)), file=sys.stderr)
+        return 2
+    try:
+        stats = run_local(cfg, args.out, tokenizer_json=args.tokenizer)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(stats, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
