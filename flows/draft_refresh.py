@@ -1,0 +1,67 @@
+"""The `draft-refresh` flow (scheduled): fresh prompts -> target traces -> retrained draft -> eval ->
+promote by one pointer write, only if the acceptance length does not drop.
+
+The current draft is `pointers/drafts/<name>.json` when a refresh was promoted before, otherwise the
+draft of the release `pointers/releases/<name>.json` points at. The candidate warm-starts from the
+current draft and trains on the target's answers to prompts the current draft never saw; both are
+evaluated in the same run, on the same held-out prompts, against the same target.
+"""
+
+from __future__ import annotations
+
+import json
+
+from prefect import flow, get_run_logger
+from prefect.artifacts import create_markdown_artifact
+
+import storage
+from flows.release import DEFAULT_STORE
+from flows.stages import run_stage
+from storage import ArtifactRef, Store
+from tasks.evaluate import EvalConfig, Gates
+from tasks.recipe import load_recipe
+
+
+def _release_refs(st: Store, name: str) -> dict[str, ArtifactRef]:
+    bundle = st.read_pointer(f"releases/{name}")
+    if bundle is None:
+        raise ValueError(f"draft-refresh: no release named {name!r} in {st.root} (run `forgeline release` first)")
+    lineage = json.loads(storage.read_bytes(bundle.file("lineage.json")))
+    return {k: st.load(v["url"]) for k, v in lineage["stages"].items()}
+
+
+@flow(name="draft-refresh", log_prints=True)
+def draft_refresh(recipe: str = "tiny", overrides: list[str] | None = None, store: str = DEFAULT_STORE) -> dict:
+    """Returns {"promoted": bool, "current": acceptance, "candidate": acceptance, "draft": url}."""
+    log = get_run_logger()
+    cfg = load_recipe(recipe, overrides or [])
+    store = storage.normalize_url(store)
+    st = Store(store)
+    refs = _release_refs(st, cfg.name)
+    target = refs["finetune"]
+    current = st.read_pointer(f"drafts/{cfg.name}") or refs["draft"]
+    r = cfg.refresh
+    data = run_stage("data_prep[fresh]", "data_prep", r.data, {"tokenizer": target}, store)
+    tr = run_stage("traces[fresh]", "traces", r.traces, {"model": target, "data": data}, store)
+    candidate = run_stage("draft[candidate]", "draft", r.draft, {"target": target, "traces": tr, "init": current},
+                          store)
+    # Draft-only evaluation: no base, no quantized models; lossless is still a gate.
+    ev_cfg = EvalConfig(**{**cfg.evaluate.model_dump(), "gates": Gates(finetune_improves=False,
+                                                                      min_acceptance_length=0.0)})
+    evals = {name: run_stage(f"evaluate[{name}]", "evaluate", ev_cfg,
+                             {"finetune": target, "data": data, "draft": d}, store)
+             for name, d in (("current", current), ("candidate", candidate))}
+    reports = {k: json.loads(storage.read_bytes(v.file("report.json"))) for k, v in evals.items()}
+    acc = {k: rep["draft"]["acceptance_length"] for k, rep in reports.items()}
+    lossless = reports["candidate"]["draft"]["lossless"]
+    promote = lossless and acc["candidate"] >= r.min_acceptance_ratio * acc["current"] and candidate != current
+    if promote:
+        st.write_pointer(f"drafts/{cfg.name}", candidate, acceptance_length=acc["candidate"])
+    verdict = "promoted" if promote else "kept the current draft"
+    create_markdown_artifact(
+        f"# Draft refresh: {verdict}\n\n| draft | acceptance length | speedup |\n|---|---|---|\n"
+        + "".join(f"| {k} | {acc[k]:.3f} | {reports[k]['draft']['speedup']:.2f}x |\n" for k in acc),
+        key=f"{cfg.name.lower()}-draft-refresh", description="draft refresh verdict")
+    log.info("draft refresh: current %.3f, candidate %.3f -> %s", acc["current"], acc["candidate"], verdict)
+    return {"promoted": promote, "current": acc["current"], "candidate": acc["candidate"],
+            "draft": (candidate if promote else current).url}

@@ -1,0 +1,77 @@
+"""The `release` flow: base checkpoint + corpus -> a release bundle in the store.
+
+    data_prep(base corpus) -> base (pretrain, or import base.url)
+    data_prep(corpus, base tokenizer) -> finetune -> traces -> draft
+                                             \\-> quantize
+    evaluate(base, finetuned, quantized, draft) --gates--> export -> pointers/releases/<name>.json
+
+Each stage is the `stage` task (flows/stages.py): cached on its fingerprint, so re-running a
+release resumes after the last committed stage and a finished release re-runs in seconds.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import flow, get_run_logger
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
+
+import storage
+from flows.stages import run_stage
+from storage import ArtifactRef, Store
+from tasks.export import ExportConfig
+from tasks.recipe import ReleaseConfig, load_recipe
+
+DEFAULT_STORE = "file://./artifacts"
+
+
+def base_stage(cfg: ReleaseConfig, store: str) -> ArtifactRef:
+    """Import `base.url`, or pretrain a base on the base corpus (the demo default)."""
+    if cfg.base.url is not None:
+        # The listing (names, sizes, etags/mtimes) joins the fingerprint: a changed checkpoint re-imports.
+        return run_stage("base", "base", cfg.base, {}, store, salt={"listing": storage.listing_signature(cfg.base.url)})
+    pre = run_stage("data_prep[base]", "data_prep", cfg.base.data, {}, store)
+    return run_stage("base", "base", cfg.base, {"data": pre}, store)
+
+
+def publish_report(store: Store, cfg: ReleaseConfig, evaluation: ArtifactRef) -> dict[str, Any]:
+    import json
+
+    report = json.loads(storage.read_bytes(evaluation.file("report.json")))
+    md = storage.read_bytes(evaluation.file("report.md")).decode()
+    key = cfg.name.lower().replace("_", "-")
+    create_markdown_artifact(md, key=f"{key}-eval", description=f"{cfg.name}: evaluation report")
+    rows = [{"metric": f"perplexity/{k}", "value": round(v, 4)} for k, v in report["perplexity"].items()]
+    for scheme, q in report["quantization"].items():
+        rows += [{"metric": f"{scheme}/{k}", "value": round(v, 5)} for k, v in q.items()]
+    for k in ("acceptance_length", "speedup", "draft_tokens"):
+        if "draft" in report:
+            rows.append({"metric": f"draft/{k}", "value": round(report["draft"][k], 4)})
+    rows += [{"metric": f"gate: {g['gate']}", "value": "pass" if g["passed"] else "FAIL"} for g in report["gates"]]
+    create_table_artifact(rows, key=f"{key}-metrics", description=f"{cfg.name}: release metrics")
+    return report
+
+
+@flow(name="release", log_prints=True)
+def release(recipe: str = "tiny", overrides: list[str] | None = None, store: str = DEFAULT_STORE) -> str:
+    """Run the whole release; returns the bundle URL."""
+    log = get_run_logger()
+    cfg = load_recipe(recipe, overrides or [])
+    store = storage.normalize_url(store)
+    st = Store(store)
+    base = base_stage(cfg, store)
+    data = run_stage("data_prep", "data_prep", cfg.data, {"tokenizer": base}, store)
+    ft = run_stage("finetune", "finetune", cfg.finetune, {"base": base, "data": data}, store)
+    tr = run_stage("traces", "traces", cfg.traces, {"model": ft, "data": data}, store)
+    dr = run_stage("draft", "draft", cfg.draft, {"target": ft, "traces": tr}, store)
+    qu = run_stage("quantize", "quantize", cfg.quantize, {"model": ft}, store)
+    ev = run_stage("evaluate", "evaluate", cfg.evaluate,
+                   {"base": base, "finetune": ft, "data": data, "draft": dr, "quant": qu}, store)
+    publish_report(st, cfg, ev)
+    export_cfg = ExportConfig(name=cfg.name, recipe=cfg.model_dump(mode="json"))
+    bundle = run_stage("export", "export", export_cfg,
+                       {"base": base, "data": data, "finetune": ft, "traces": tr, "draft": dr, "quant": qu,
+                        "evaluate": ev}, store)
+    st.write_pointer(f"releases/{cfg.name}", bundle)
+    log.info("release %s: bundle at %s", cfg.name, bundle.url)
+    return bundle.url

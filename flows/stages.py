@@ -1,0 +1,127 @@
+"""Prefect tasks around forgeline's stages: one generic task whose cache key is the stage fingerprint.
+
+- cache key = the fingerprint, i.e. the stage's storage address (prefect-practice.md §2.2), but
+  only while that address holds a committed manifest: if the artifact was deleted, the key changes
+  and the stage runs again (the manifest, not Prefect's cache record, is the source of truth);
+- results are the artifact references, serialised as JSON (no pickle), never arrays;
+- retries with exponential backoff, for storage and network errors only -- a bad config, a corrupt
+  input or a failed gate fails at once;
+- training stages publish a progress artifact to the UI.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from prefect import task
+from prefect.artifacts import create_progress_artifact, update_progress_artifact
+from prefect.context import TaskRunContext
+from prefect.tasks import exponential_backoff
+
+from storage import ArtifactError, ArtifactRef, Store
+from tasks import registry
+from tasks.stage import stage_fingerprint
+
+log = logging.getLogger("forgeline.flows")
+
+
+@dataclass
+class StageEvent:
+    name: str
+    kind: str
+    ref: ArtifactRef
+    ran: bool
+    seconds: float
+
+
+# Listeners (the CLI's live table) hear about every finished stage in this process.
+LISTENERS: list[Callable[[StageEvent], None]] = []
+
+
+def _fingerprint(kind: str, config: Mapping[str, Any], inputs: Mapping[str, dict], salt: Mapping | None) -> str:
+    cfg = registry.parse_config(kind, config)
+    fp_config = {**cfg.model_dump(mode="json"), **({"_salt": dict(salt)} if salt else {})}
+    return stage_fingerprint(kind, fp_config, {k: ArtifactRef.from_dict(v) for k, v in inputs.items()})
+
+
+def cache_key(context: TaskRunContext, parameters: dict[str, Any]) -> str:
+    kind = parameters["kind"]
+    fp = _fingerprint(kind, parameters["config"], parameters["inputs"], parameters.get("salt"))
+    if Store(parameters["store"]).lookup(kind, fp) is None:
+        return f"{kind}-{fp}-pending-{uuid.uuid4().hex}"  # not committed: never a cache hit
+    return f"{kind}-{fp}"
+
+
+def _retryable(task, task_run, state) -> bool:
+    """Retry storage/infrastructure errors only."""
+    try:
+        state.result()
+    except (ConnectionError, TimeoutError, ArtifactError):
+        return True
+    except OSError as e:
+        return not isinstance(e, FileNotFoundError | PermissionError | IsADirectoryError)
+    except Exception:
+        return False
+    return False
+
+
+def _progress_reporter(name: str) -> Callable[[int, int, dict[str, float]], None]:
+    artifact_id = create_progress_artifact(0.0, description=f"{name}: training progress")
+    last = [0.0]
+
+    def report(step: int, total: int, metrics: dict[str, float]) -> None:
+        now = time.monotonic()
+        if now - last[0] > 2.0 or step == total:  # a few UI updates per second at most
+            update_progress_artifact(artifact_id, 100.0 * step / total,
+                                     description=f"{name}: step {step}/{total} loss {metrics['loss']:.3f}")
+            last[0] = now
+
+    return report
+
+
+@task(
+    task_run_name="{name}",
+    cache_key_fn=cache_key,
+    result_serializer="json",
+    persist_result=True,
+    cache_result_in_memory=False,
+    retries=3,
+    retry_delay_seconds=exponential_backoff(backoff_factor=2),
+    retry_jitter_factor=0.5,
+    retry_condition_fn=_retryable,
+)
+def stage(name: str, kind: str, config: dict[str, Any], inputs: dict[str, dict], store: str,
+          salt: dict[str, Any] | None = None) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    st = Store(store)
+    refs = {k: ArtifactRef.from_dict(v) for k, v in inputs.items()}
+    progress = _progress_reporter(name) if kind in ("base", "finetune", "draft") else None
+    fp = _fingerprint(kind, config, inputs, salt)
+    ran = st.lookup(kind, fp) is None
+    ref = registry.run(st, kind, config, refs, salt=salt, progress=progress)
+    _announce(StageEvent(name, kind, ref, ran, time.perf_counter() - t0))
+    return ref.to_dict()
+
+
+def _announce(event: StageEvent) -> None:
+    for fn in LISTENERS:
+        fn(event)
+
+
+def run_stage(name: str, kind: str, config: Any, inputs: Mapping[str, ArtifactRef], store: str,
+              salt: Mapping[str, Any] | None = None) -> ArtifactRef:
+    """Call the Prefect task; a cache hit (the task body never ran) is announced as skipped here."""
+    cfg = config.model_dump(mode="json") if hasattr(config, "model_dump") else dict(config)
+    t0 = time.perf_counter()
+    state = stage(name, kind, cfg, {k: v.to_dict() for k, v in inputs.items()}, store,
+                  dict(salt) if salt else None, return_state=True)
+    ref = ArtifactRef.from_dict(state.result())
+    if state.name == "Cached":
+        _announce(StageEvent(name, kind, ref, False, time.perf_counter() - t0))
+    return ref
+

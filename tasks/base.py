@@ -1,0 +1,134 @@
+"""Stage `base`: the checkpoint a release starts from.
+
+Either an existing HF-layout checkpoint (`url`: file://, s3://, a local folder) that is validated and
+copied into the store, or -- since no real weights can be downloaded on the development machines --
+a short, documented pretraining run from a scratch initialisation on the base corpus (the default
+recipe pretrains a small Llama on the Python standard library's source).
+
+    python -m tasks.base --data DIR --out DIR [--set model.hidden_size=256 train.steps=300 ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from pathlib import Path
+from typing import Any, Literal
+
+import jax
+from flax import nnx
+from pydantic import BaseModel, ConfigDict, Field
+from tokenizers import Tokenizer
+
+import models
+import storage
+from tasks.data_prep import DataPrepConfig
+from tasks.finetune import save_model_dir
+from tasks.stage import StageContext, work_root
+from tasks.train import Checkpoints, Progress, Trainer, TrainConfig, fit
+
+log = logging.getLogger("forgeline.base")
+
+
+class ModelShape(BaseModel):
+    """The architecture of a scratch base; the vocabulary comes from the tokenizer."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    architecture: Literal["LlamaForCausalLM", "Qwen3ForCausalLM"] = "LlamaForCausalLM"
+    hidden_size: int = Field(256, ge=8)
+    intermediate_size: int = Field(704, ge=8)
+    num_hidden_layers: int = Field(6, ge=1)
+    num_attention_heads: int = Field(8, ge=1)
+    num_key_value_heads: int = Field(4, ge=1)
+    head_dim: int | None = None
+    tie_word_embeddings: bool = False
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 2048
+
+
+class BaseConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    url: str | None = None  # an HF checkpoint folder; None -> pretrain `model` on `data`
+    data: DataPrepConfig = DataPrepConfig(corpus="builtin://python-stdlib")
+    model: ModelShape = ModelShape()
+    train: TrainConfig = TrainConfig(steps=300, batch_size=16, learning_rate=3e-3, warmup_steps=30,
+                                     checkpoint_every=100)
+
+
+def llama_config(shape: ModelShape, data_dir: Path) -> models.LlamaConfig:
+    special = json.loads((data_dir / "special_tokens.json").read_text())
+    vocab_size = Tokenizer.from_file(str(data_dir / "tokenizer.json")).get_vocab_size(with_added_tokens=True)
+    fields = shape.model_dump()
+    return models.LlamaConfig(
+        vocab_size=vocab_size,
+        head_dim=shape.head_dim or shape.hidden_size // shape.num_attention_heads,
+        qk_norm=shape.architecture == "Qwen3ForCausalLM",
+        bos_token_id=special["bos"], eos_token_id=special["eos"], pad_token_id=special["pad"],
+        **{k: v for k, v in fields.items() if k != "head_dim"},
+    )
+
+
+def pretrain(cfg: BaseConfig, data_dir: Path, out_dir: Path, *, checkpoints: Checkpoints | None = None,
+             progress: Progress | None = None) -> dict[str, Any]:
+    config = llama_config(cfg.model, data_dir)
+    model = models.Llama(config, rngs=nnx.Rngs(cfg.train.seed))
+    n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    log.info("base: pretraining a %s with %.2fM parameters from scratch", config.architecture, n_params / 1e6)
+    trainer = Trainer(model, cfg.train, trainable=nnx.Param)
+    metrics = fit(trainer, data_dir, checkpoints=checkpoints, progress=progress, label="base")
+    save_model_dir(trainer.model(), out_dir / "model", data_dir)
+    return {**metrics, "source": "pretrained", "params": int(n_params)}
+
+
+def import_checkpoint(url: str, out_dir: Path) -> dict[str, Any]:
+    """Copy an HF checkpoint folder into the artifact after checking that it loads."""
+    local = out_dir / "model"
+    storage.download_dir(url, local)
+    if not (local / "config.json").exists():
+        raise ValueError(f"base.url: {url} has no config.json (not an HF checkpoint folder)")
+    if not (local / "tokenizer.json").exists():
+        raise ValueError(f"base.url: {url} has no tokenizer.json")
+    model = models.from_pretrained(str(local))  # raises ValueError naming a corrupt file or tensor
+    n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+    return {"source": url, "params": int(n_params)}
+
+
+def compute(cfg: BaseConfig, progress: Progress | None = None):
+    def _compute(ctx: StageContext) -> dict[str, Any]:
+        if cfg.url is not None:
+            return import_checkpoint(cfg.url, ctx.out_dir)
+        ckpt = Checkpoints(work_root() / "ckpt" / ctx.kind / ctx.fingerprint, ctx.store,
+                           f"{ctx.kind}/{ctx.fingerprint}")
+        try:
+            return pretrain(cfg, ctx.inputs["data"], ctx.out_dir, checkpoints=ckpt, progress=progress)
+        finally:
+            ckpt.close()
+
+    return _compute
+
+
+def main(argv: list[str] | None = None) -> None:
+    from tasks.recipe import apply_overrides
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--data", type=Path, help="data_prep output to pretrain on")
+    p.add_argument("--url", help="import this HF checkpoint instead of pretraining")
+    p.add_argument("--out", required=True, type=Path)
+    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE")
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    cfg = apply_overrides(BaseConfig(url=a.url), a.set)
+    if cfg.url:
+        stats = import_checkpoint(cfg.url, a.out)
+    else:
+        if a.data is None:
+            p.error("--data is required to pretrain")
+        stats = pretrain(cfg, a.data, a.out)
+    print(json.dumps(stats, indent=1))
+
+
+if __name__ == "__main__":
+    main()

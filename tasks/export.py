@@ -1,0 +1,97 @@
+"""Stage `export`: the release bundle, published only when every eval gate passed.
+
+    <bundle>/
+      model/              HF layout (config.json, safetensors, tokenizer.json, generation_config.json)
+      adapter/            PEFT LoRA adapter (LoRA runs)
+      draft/              the speculative-decoding draft (HF layout + draft_config.json)
+      quantized/<scheme>/ compressed-tensors checkpoints
+      eval/               report.json, report.md
+      lineage.json        recipe, stage fingerprints and artifact digests, git SHA, code version
+      README.md           the model card with the eval table
+      manifest.json       every file's sha256 and size + the lineage (written last, by the store)
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from storage import code_version, git_sha
+from tasks.stage import StageContext
+
+
+class GateError(RuntimeError):
+    """The release failed an eval gate; nothing is exported."""
+
+
+class ExportConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str
+    recipe: dict[str, Any]
+    enforce_gates: bool = True
+
+
+def _copytree(src: Path, dst: Path) -> None:
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns(".complete"))
+
+
+def model_card(cfg: ExportConfig, report_md: str, lineage: dict[str, Any], has_adapter: bool,
+               schemes: list[str]) -> str:
+    ft = cfg.recipe.get("finetune", {})
+    draft_k = cfg.recipe.get("draft", {}).get("k", 4)
+    base = cfg.recipe.get("base", {}).get("url") or "a scratch Llama pretrained by forgeline (see lineage.json)"
+    lines = [
+        f"# {cfg.name}", "",
+        f"Released by forgeline from {base}, fine-tuned ({ft.get('mode', '?')}) on "
+        f"`{cfg.recipe.get('data', {}).get('corpus', '?')}`.", "",
+        "## Contents", "",
+        "| path | what |", "|---|---|",
+        "| `model/` | merged weights, HF layout (`AutoModelForCausalLM.from_pretrained('model')`) |",
+    ]
+    if has_adapter:
+        lines.append("| `adapter/` | the LoRA adapter, PEFT layout (`PeftModel.from_pretrained(base, 'adapter')`) |")
+    lines.append(f"| `draft/` | draft model for speculative decoding, k={draft_k} "
+                 "(vLLM: `speculative_config={'model': 'draft', 'num_speculative_tokens': k}`) |")
+    lines += [f"| `quantized/{s}/` | compressed-tensors checkpoint (`LLM('quantized/{s}')` in vLLM) |" for s in schemes]
+    lines += ["| `eval/` | report.json, report.md |", "| `lineage.json` | what produced every file |", ""]
+    lines += [report_md.replace("# Evaluation report", "## Evaluation").strip(), "",
+              "## Lineage", "", f"- git SHA: `{lineage['git_sha']}`", f"- code version: `{lineage['code_version']}`"]
+    lines += [f"- {k}: `{v['fingerprint']}` (manifest sha256 `{v['digest'][:16]}…`)" for k, v in lineage["stages"].items()]
+    return "\n".join(lines) + "\n"
+
+
+def export(cfg: ExportConfig, ctx: StageContext) -> dict[str, Any]:
+    out, inp = ctx.out_dir, ctx.inputs
+    report = json.loads((inp["evaluate"] / "report.json").read_text())
+    failed = [g["gate"] for g in report["gates"] if not g["passed"]]
+    if failed and cfg.enforce_gates:
+        raise GateError(f"release {cfg.name}: eval gates failed: {'; '.join(failed)} (see {ctx.refs['evaluate'].url})")
+    _copytree(inp["finetune"] / "model", out / "model")
+    has_adapter = (inp["finetune"] / "adapter").exists()
+    if has_adapter:
+        _copytree(inp["finetune"] / "adapter", out / "adapter")
+    _copytree(inp["draft"] / "draft", out / "draft")
+    schemes = sorted(p.name for p in inp["quant"].iterdir() if (p / "config.json").exists())
+    for s in schemes:
+        _copytree(inp["quant"] / s, out / "quantized" / s)
+    _copytree(inp["evaluate"], out / "eval")
+    lineage = {
+        "name": cfg.name, "recipe": cfg.recipe, "git_sha": git_sha(), "code_version": code_version(),
+        "stages": {k: {"kind": r.kind, "fingerprint": r.fingerprint, "digest": r.digest, "url": r.url}
+                   for k, r in ctx.refs.items()},
+        "gates_passed": not failed,
+    }
+    (out / "lineage.json").write_text(json.dumps(lineage, indent=1))
+    (out / "README.md").write_text(model_card(cfg, (inp["evaluate"] / "report.md").read_text(), lineage,
+                                              has_adapter, schemes))
+    return {"name": cfg.name, "gates_passed": not failed, "schemes": schemes, "adapter": has_adapter,
+            "stages": {k: v["fingerprint"] for k, v in lineage["stages"].items()}}
+
+
+def compute(cfg: ExportConfig):
+    return lambda ctx: export(cfg, ctx)

@@ -1,0 +1,121 @@
+"""Stage `finetune`: full-parameter or LoRA fine-tuning of an HF-layout checkpoint on packed data.
+
+    python -m tasks.finetune --base DIR --data DIR --out DIR [--set mode=lora train.steps=100 ...]
+
+Inputs: `base` (an HF checkpoint folder: config.json, safetensors, tokenizer.json) and `data` (the
+output of data_prep). Outputs: `model/` (merged weights in HF layout, tokenizer.json,
+generation_config.json) and, for LoRA, `adapter/` (PEFT layout). Training resumes from the newest
+checkpoint under `<store>/checkpoints/finetune/<fingerprint>/` after a crash or a kill.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shutil
+from pathlib import Path
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from pydantic import BaseModel, ConfigDict, Field
+
+import models
+from models import lora
+from tasks.stage import StageContext, work_root
+from tasks.train import Checkpoints, Progress, Trainer, TrainConfig, fit
+
+log = logging.getLogger("forgeline.finetune")
+
+ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class FinetuneConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    mode: Literal["lora", "full"] = "lora"
+    lora_rank: int = Field(16, ge=1)
+    lora_alpha: float = Field(32.0, gt=0)
+    lora_targets: tuple[str, ...] = ALL_LINEAR
+    train: TrainConfig = TrainConfig(steps=150, learning_rate=2e-3, warmup_steps=10)
+
+
+def save_model_dir(model: nnx.Module, out: Path, tokenizer_dir: Path) -> None:
+    """HF layout plus the tokenizer files that travel with every checkpoint we write."""
+    models.save_pretrained(model, str(out))
+    for name in ("tokenizer.json", "special_tokens.json", "tokenizer_config.json"):
+        if (tokenizer_dir / name).exists():
+            shutil.copyfile(tokenizer_dir / name, out / name)
+
+
+def finetune(
+    cfg: FinetuneConfig,
+    base_dir: Path,
+    data_dir: Path,
+    out_dir: Path,
+    *,
+    checkpoints: Checkpoints | None = None,
+    progress: Progress | None = None,
+    base_name: str = "base",
+) -> dict[str, Any]:
+    model = models.from_pretrained(str(base_dir), dtype=jnp.float32)
+    if cfg.mode == "lora":
+        lora.apply_lora(model, rank=cfg.lora_rank, alpha=cfg.lora_alpha, target_modules=cfg.lora_targets,
+                        rngs=nnx.Rngs(cfg.train.seed))
+        trainer = Trainer(model, cfg.train, trainable=nnx.LoRAParam)
+    else:
+        trainer = Trainer(model, cfg.train, trainable=nnx.Param)
+    n_trainable = sum(x.size for x in jax.tree.leaves(trainer.params))
+    metrics = fit(trainer, data_dir, checkpoints=checkpoints, progress=progress, label=f"finetune[{cfg.mode}]")
+    model = trainer.model()
+    if cfg.mode == "lora":
+        lora.save_peft_adapter(model, str(out_dir / "adapter"), base_model_name_or_path=base_name)
+        lora.merge_lora(model)
+    save_model_dir(model, out_dir / "model", data_dir)
+    return {**metrics, "mode": cfg.mode, "trainable_params": int(n_trainable)}
+
+
+def compute(cfg: FinetuneConfig, progress: Progress | None = None):
+    """The stage body for `tasks.stage.run_stage`: inputs `base` and `data`."""
+
+    def _compute(ctx: StageContext) -> dict[str, Any]:
+        ckpt = Checkpoints(work_root() / "ckpt" / ctx.kind / ctx.fingerprint, ctx.store,
+                           f"{ctx.kind}/{ctx.fingerprint}")
+        try:
+            return finetune(cfg, model_dir(ctx.inputs["base"]), ctx.inputs["data"], ctx.out_dir,
+                            checkpoints=ckpt, progress=progress, base_name=ctx.refs["base"].url)
+        finally:
+            ckpt.close()
+
+    return _compute
+
+
+def model_dir(artifact_dir: Path) -> Path:
+    """An artifact holding a checkpoint keeps it in `model/`; a bare HF folder is the checkpoint."""
+    return artifact_dir / "model" if (artifact_dir / "model" / "config.json").exists() else artifact_dir
+
+
+def main(argv: list[str] | None = None) -> None:
+    from tasks.recipe import apply_overrides
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--base", required=True, type=Path)
+    p.add_argument("--data", required=True, type=Path)
+    p.add_argument("--out", required=True, type=Path)
+    p.add_argument("--checkpoints", type=Path, help="local checkpoint folder (enables resume)")
+    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE")
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    cfg = apply_overrides(FinetuneConfig(), a.set)
+    ckpt = Checkpoints(a.checkpoints, None, "cli") if a.checkpoints else None
+    try:
+        print(json.dumps(finetune(cfg, model_dir(a.base), a.data, a.out, checkpoints=ckpt), indent=1))
+    finally:
+        if ckpt:
+            ckpt.close()
+
+
+if __name__ == "__main__":
+    main()

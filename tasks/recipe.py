@@ -1,0 +1,127 @@
+"""Release recipes: one typed schema per stage (next to the stage), composed into `ReleaseConfig`,
+loaded from YAML (`tasks/recipes/<name>.yaml` or a file path) plus `key=value` overrides.
+
+An unknown or ill-typed key is a `ConfigError` whose one-line message names the key; nothing runs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from tasks.base import BaseConfig
+from tasks.data_prep import DataPrepConfig
+from tasks.draft import DraftConfig
+from tasks.evaluate import EvalConfig
+from tasks.finetune import FinetuneConfig
+from tasks.quantize import QuantizeConfig
+from tasks.traces import TracesConfig
+
+RECIPES = Path(__file__).parent / "recipes"
+M = TypeVar("M", bound=BaseModel)
+
+
+class ConfigError(ValueError):
+    """A recipe or override that does not fit the schema."""
+
+
+class RefreshConfig(BaseModel):
+    """The scheduled draft refresh: fresh prompts -> traces -> retrained draft -> promote if no worse."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    data: DataPrepConfig = DataPrepConfig(corpus="builtin://python-stdlib-functions", seed=1)
+    traces: TracesConfig = TracesConfig()
+    draft: DraftConfig = DraftConfig()
+    min_acceptance_ratio: float = 1.0  # promote only if new acceptance >= ratio * current
+
+
+class ReleaseConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = "forgeline-tiny"
+    base: BaseConfig = BaseConfig()
+    data: DataPrepConfig = DataPrepConfig(corpus="builtin://python-stdlib-functions")
+    finetune: FinetuneConfig = FinetuneConfig()
+    traces: TracesConfig = TracesConfig()
+    draft: DraftConfig = DraftConfig()
+    quantize: QuantizeConfig = QuantizeConfig()
+    evaluate: EvalConfig = EvalConfig()
+    refresh: RefreshConfig = RefreshConfig()
+
+
+def _one_line(e: ValidationError, source: str) -> ConfigError:
+    err = e.errors()[0]
+    key = ".".join(str(p) for p in err["loc"])
+    if err["type"] == "extra_forbidden":
+        return ConfigError(f"{source}: unknown key '{key}'")
+    got = f" (got {err['input']!r})" if "input" in err and not isinstance(err["input"], dict) else ""
+    more = f" (+{len(e.errors()) - 1} more)" if len(e.errors()) > 1 else ""
+    return ConfigError(f"{source}: {key}: {err['msg']}{got}{more}")
+
+
+def validate(cls: type[M], data: dict[str, Any], source: str) -> M:
+    try:
+        return cls.model_validate(data)
+    except ValidationError as e:
+        raise _one_line(e, source) from None
+
+
+def parse_overrides(overrides: list[str]) -> dict[str, Any]:
+    """`["finetune.train.steps=10", "finetune.mode=full"]` -> nested dict; values parsed as YAML."""
+    out: dict[str, Any] = {}
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r}: expected key=value")
+        key, raw = item.split("=", 1)
+        if not key:
+            raise ConfigError(f"override {item!r}: empty key")
+        value = yaml.safe_load(raw) if raw.strip() else ""
+        node = out
+        parts = key.strip().split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r}: '{part}' is not a section")
+        node[parts[-1]] = value
+    return out
+
+
+def deep_merge(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    out = dict(a)
+    for k, v in b.items():
+        out[k] = deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def apply_overrides(cfg: M, overrides: list[str]) -> M:
+    data = deep_merge(cfg.model_dump(mode="json"), parse_overrides(overrides))
+    return validate(type(cfg), data, "overrides")
+
+
+def recipe_path(name_or_file: str) -> Path:
+    p = Path(name_or_file)
+    if p.suffix in (".yaml", ".yml") or p.exists():
+        if not p.exists():
+            raise ConfigError(f"recipe file not found: {p}")
+        return p
+    p = RECIPES / f"{name_or_file}.yaml"
+    if not p.exists():
+        known = ", ".join(sorted(q.stem for q in RECIPES.glob("*.yaml")))
+        raise ConfigError(f"unknown recipe '{name_or_file}' (known: {known})")
+    return p
+
+
+def load_recipe(name_or_file: str = "tiny", overrides: list[str] | None = None) -> ReleaseConfig:
+    path = recipe_path(name_or_file)
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: a recipe is a mapping of stage sections")
+    data = deep_merge(data, parse_overrides(overrides or []))
+    return validate(ReleaseConfig, data, f"recipe {path.name}")
