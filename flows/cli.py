@@ -108,7 +108,7 @@ def _run(fn, **kwargs):
 def release(recipe: Recipe = "tiny", store: Store = "file://./artifacts", set_: Sets = None) -> None:
     """Run the release flow and print the bundle URL as the last line."""
     _preflight(recipe, set_ or [])
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr, force=True)
     for name in ("jax", "absl", "orbax", "httpx"):
         logging.getLogger(name).setLevel(logging.WARNING)
     from flows.release import release as release_flow
@@ -127,7 +127,7 @@ def release(recipe: Recipe = "tiny", store: Store = "file://./artifacts", set_: 
 def draft_refresh(recipe: Recipe = "tiny", store: Store = "file://./artifacts", set_: Sets = None) -> None:
     """Retrain the draft on fresh prompts; promote it only if acceptance does not drop."""
     _preflight(recipe, set_ or [])
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr, force=True)
     from flows.draft_refresh import draft_refresh as refresh_flow
 
     console, rows = _console_progress()

@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", required=True, type=Path)
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE")
     a = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", force=True)
     cfg = apply_overrides(DraftConfig(), a.set)
     print(json.dumps(train_draft(cfg, model_dir(a.target), a.traces, a.out), indent=1))
 

@@ -272,7 +272,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", required=True, type=Path)
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE")
     a = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", force=True)
     cfg = apply_overrides(EvalConfig(), a.set)
     quantized = dict((s.split("=", 1)[0], Path(s.split("=", 1)[1])) for s in a.quantized)
     print(json.dumps(evaluate(cfg, base=a.base and model_dir(a.base), finetuned=model_dir(a.finetuned),

@@ -23,6 +23,7 @@ from flax import nnx
 from pydantic import BaseModel, ConfigDict, Field
 
 import models
+from storage import Store
 from models import lora
 from tasks.stage import StageContext, work_root
 from tasks.train import Checkpoints, Progress, Trainer, TrainConfig, fit
@@ -105,11 +106,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--data", required=True, type=Path)
     p.add_argument("--out", required=True, type=Path)
     p.add_argument("--checkpoints", type=Path, help="local checkpoint folder (enables resume)")
+    p.add_argument("--store", help="also upload checkpoints to this store URL and resume from there")
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE")
     a = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", force=True)
     cfg = apply_overrides(FinetuneConfig(), a.set)
-    ckpt = Checkpoints(a.checkpoints, None, "cli") if a.checkpoints else None
+    store = Store(a.store) if a.store else None
+    ckpt = Checkpoints(a.checkpoints, store, "finetune/cli") if a.checkpoints else None
     try:
         print(json.dumps(finetune(cfg, model_dir(a.base), a.data, a.out, checkpoints=ckpt), indent=1))
     finally:

@@ -200,7 +200,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", required=True, type=Path)
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE")
     a = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", force=True)
     cfg = apply_overrides(TracesConfig(), a.set)
     print(json.dumps(traces(cfg, model_dir(a.model), a.data, a.out), indent=1))
 

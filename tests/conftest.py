@@ -3,6 +3,7 @@ each costs seconds to start on the 2-core CI machines."""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -34,3 +35,50 @@ def s3_env(tmp_path_factory):
                     os.environ.pop(k, None)
                 else:
                     os.environ[k] = v
+
+
+# Overrides that shrink the default recipe to a CPU-friendly smoke size (about a minute end to end):
+# every stage still does the real thing on real text, on a 2-layer d=64 base.
+TINY_RELEASE = [
+    "base.model.hidden_size=64", "base.model.intermediate_size=128", "base.model.num_hidden_layers=2",
+    "base.model.num_attention_heads=4", "base.model.num_key_value_heads=2", "base.train.steps=20",
+    "base.data.max_documents=60", "base.data.vocab_size=1024", "data.max_documents=400",
+    "finetune.train.steps=10", "traces.num_prompts=32", "traces.max_new_tokens=16", "draft.train.steps=10",
+    "evaluate.eval_batches=2", "evaluate.spec_prompts=2", "evaluate.spec_max_new_tokens=16",
+    "evaluate.gates.min_acceptance_length=0", "refresh.traces.num_prompts=16", "refresh.traces.skip_prompts=32",
+    "refresh.traces.max_new_tokens=16", "refresh.draft.train.steps=5", "refresh.data.max_documents=400",
+]
+
+
+@pytest.fixture(scope="session")
+def prefect_harness():
+    """One Prefect test server for the whole session (~10 s to start on 2 cores)."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=90):
+        yield
+
+
+@pytest.fixture(scope="session")
+def tiny_base(tmp_path_factory):
+    """(base checkpoint dir, data dir): a random tiny Llama with a BPE tokenizer trained on real text,
+    and data_prep output over stdlib docstring->body pairs tokenized with it."""
+    from flax import nnx
+
+    import models
+    from tasks import data_prep
+    from tasks.finetune import save_model_dir
+
+    root = tmp_path_factory.mktemp("tiny_base")
+    tok = root / "tok"
+    data_prep.run_local(data_prep.DataPrepConfig(corpus="builtin://python-stdlib", max_documents=40,
+                                                 vocab_size=512), tok)
+    data = root / "data"
+    data_prep.run_local(data_prep.DataPrepConfig(corpus="builtin://python-stdlib-functions", max_documents=300,
+                                                 seq_len=128, valid_fraction=0.3), data, tokenizer_json=tok / "tokenizer.json")
+    special = json.loads((data / "special_tokens.json").read_text())
+    cfg = models.LlamaConfig.tiny(vocab_size=512, bos_token_id=special["bos"], eos_token_id=special["eos"],
+                                  pad_token_id=special["pad"])
+    base = root / "base"
+    save_model_dir(models.Llama(cfg, rngs=nnx.Rngs(0)), base, data)
+    return base, data

@@ -1,0 +1,151 @@
+"""HF checkpoint I/O without transformers: config spellings, round trips, URLs, corrupt files."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import types
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import safetensors.numpy
+from flax import nnx
+
+from models import ARCHITECTURES, Llama, LlamaConfig, from_pretrained, save_pretrained, state_to_hf
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    model = Llama(LlamaConfig.tiny(64, num_hidden_layers=1), rngs=nnx.Rngs(0))
+    path = tmp_path_factory.mktemp("ckpt")
+    save_pretrained(model, str(path))
+    return model, path
+
+
+def copy_ckpt(src, dst):
+    os.makedirs(dst, exist_ok=True)
+    for fn in os.listdir(src):
+        with open(os.path.join(src, fn), "rb") as f, open(os.path.join(dst, fn), "wb") as g:
+            g.write(f.read())
+    return dst
+
+
+def test_config_legacy_and_v5_spellings_agree():
+    v5 = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 100, "hidden_size": 32,
+          "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+          "rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
+                              "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+          "dtype": "bfloat16", "eos_token_id": [5, 6]}
+    legacy = {k: v for k, v in v5.items() if k not in ("rope_parameters", "dtype")}
+    legacy.update(rope_theta=5e5, torch_dtype="bfloat16", rope_scaling={
+        "type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64})
+    a, b = LlamaConfig.from_hf(v5), LlamaConfig.from_hf(legacy)
+    assert a == b and hash(a) == hash(b)
+    assert a.head_dim == 8 and a.rope_scaling["rope_type"] == "llama3" and a.eos_token_id == (5, 6)
+    assert LlamaConfig.from_hf(a.to_hf()) == a
+    with pytest.raises(NotImplementedError, match="yarn"):
+        LlamaConfig.from_hf({**v5, "rope_parameters": {"rope_type": "yarn", "factor": 4.0}})
+
+
+def test_registry_keys():
+    assert set(ARCHITECTURES) == {"LlamaForCausalLM", "Qwen3ForCausalLM"}
+    cfg = LlamaConfig.qwen3_tiny(64)
+    d = cfg.to_hf()
+    assert d["model_type"] == "qwen3" and d["architectures"] == ["Qwen3ForCausalLM"]
+    assert LlamaConfig.from_hf(d) == cfg
+
+
+def test_round_trip_and_file_url(saved):
+    model, path = saved
+    files = sorted(os.listdir(path))
+    assert files == ["config.json", "generation_config.json", "model.safetensors"]
+    ids = jnp.arange(12, dtype=jnp.int32)[None] % 64
+    for where in (str(path), path.as_uri()):
+        loaded = from_pretrained(where)
+        np.testing.assert_array_equal(np.asarray(loaded(ids)), np.asarray(model(ids)))
+    tensors = safetensors.numpy.load_file(str(path / "model.safetensors"))
+    assert tensors["model.layers.0.self_attn.q_proj.weight"].shape == (64, 64)
+    assert tensors["model.layers.0.mlp.down_proj.weight"].shape == (64, 128)
+    assert set(tensors) == set(state_to_hf(model))
+
+
+def test_sharded_save_and_tied_omits_lm_head(tmp_path):
+    model = Llama(LlamaConfig.qwen3_tiny(64), rngs=nnx.Rngs(1))
+    save_pretrained(model, str(tmp_path), max_shard_bytes=40_000)
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 1 and shards[0] == f"model-00001-of-{len(shards):05d}.safetensors"
+    assert "lm_head.weight" not in index["weight_map"]
+    assert "model.layers.1.self_attn.q_norm.weight" in index["weight_map"]
+    ids = jnp.arange(5, dtype=jnp.int32)[None]
+    np.testing.assert_array_equal(np.asarray(from_pretrained(str(tmp_path))(ids)), np.asarray(model(ids)))
+    save_pretrained(model, str(tmp_path))  # re-save unsharded into the same folder: stale shards go
+    assert not any(fn.startswith("model-") for fn in os.listdir(tmp_path))
+
+
+def test_remote_urls_go_through_storage(saved, tmp_path, monkeypatch):
+    _, path = saved
+    calls = []
+
+    def download_dir(url, local_dir):
+        calls.append(("down", url))
+        copy_ckpt(path, local_dir)
+
+    def upload_dir(local_dir, url):
+        calls.append(("up", url, sorted(os.listdir(local_dir))))
+
+    monkeypatch.setitem(sys.modules, "storage", types.SimpleNamespace(download_dir=download_dir, upload_dir=upload_dir))
+    model = from_pretrained("s3://bucket/ckpt")
+    save_pretrained(model, "s3://bucket/out")
+    assert calls[0] == ("down", "s3://bucket/ckpt")
+    assert calls[1] == ("up", "s3://bucket/out", ["config.json", "generation_config.json", "model.safetensors"])
+
+
+def test_truncated_file_names_file_and_tensor(saved, tmp_path):
+    _, path = saved
+    bad = copy_ckpt(path, tmp_path / "bad")
+    f = bad / "model.safetensors"
+    data = f.read_bytes()
+    f.write_bytes(data[: len(data) - 1000])
+    with pytest.raises(ValueError, match=r"model\.safetensors.*truncated.*tensor model\.") as e:
+        from_pretrained(str(bad))
+    assert "\n" not in str(e.value)
+
+
+def test_garbage_file_raises_value_error(saved, tmp_path):
+    _, path = saved
+    bad = copy_ckpt(path, tmp_path / "garbage")
+    (bad / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00not json at all!")
+    with pytest.raises(ValueError, match=r"model\.safetensors.*corrupt"):
+        from_pretrained(str(bad))
+    (bad / "model.safetensors").write_bytes(b"abc")
+    with pytest.raises(ValueError, match=r"model\.safetensors.*corrupt"):
+        from_pretrained(str(bad))
+
+
+def test_missing_tensor_and_wrong_shape(saved, tmp_path):
+    _, path = saved
+    tensors = safetensors.numpy.load_file(str(path / "model.safetensors"))
+    bad = copy_ckpt(path, tmp_path / "missing")
+    name = "model.layers.0.mlp.up_proj.weight"
+    safetensors.numpy.save_file({k: v for k, v in tensors.items() if k != name}, str(bad / "model.safetensors"))
+    with pytest.raises(ValueError, match=rf"model\.safetensors.*missing tensor {name}"):
+        from_pretrained(str(bad))
+    tensors[name] = np.zeros((3, 3), np.float32)
+    safetensors.numpy.save_file(tensors, str(bad / "model.safetensors"))
+    with pytest.raises(ValueError, match=rf"model\.safetensors: tensor {name} has shape \[3, 3\], expected"):
+        from_pretrained(str(bad))
+
+
+def test_no_weights_or_unknown_architecture(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
+    with pytest.raises(ValueError, match="GPT2LMHeadModel"):
+        from_pretrained(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps(LlamaConfig.tiny(64).to_hf()))
+    with pytest.raises(ValueError, match="no model.safetensors"):
+        from_pretrained(str(tmp_path))
