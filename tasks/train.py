@@ -150,7 +150,7 @@ class Trainer:
             (loss, ntok), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, frozen, batch)
             updates, opt_state = tx.update(grads, opt_state, params)
             params = optax.apply_updates(params, updates)
-            return params, opt_state, {"loss": loss, "grad_norm": optax.global_norm(grads), "tokens": ntok}
+            return params, opt_state, {"loss": loss, "grad_norm": optax.tree.norm(grads), "tokens": ntok}
 
         self._train_step = train_step
         self._eval_step = jax.jit(loss_fn)

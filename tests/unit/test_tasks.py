@@ -1,0 +1,188 @@
+"""tasks/: recipes and their errors, the stage framework's skip/commit rules, the training loop's
+determinism and learning, traces packing, and the eval gates that guard export."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from storage import Store
+from tasks.evaluate import Gates, gates
+from tasks.recipe import ConfigError, apply_overrides, load_recipe, parse_overrides
+from tasks.stage import run_stage
+from tasks.traces import pack
+from tasks.train import PackedBatches, Trainer, TrainConfig, fit
+
+pytestmark = pytest.mark.unit
+
+
+# -- recipes ---------------------------------------------------------------------------------------
+
+
+def test_default_recipe_loads_and_overrides_apply():
+    cfg = load_recipe("tiny", ["finetune.mode=full", "finetune.train.steps=7", "quantize.schemes=[int8]"])
+    assert cfg.finetune.mode == "full" and cfg.finetune.train.steps == 7
+    assert cfg.base.url is None and cfg.data.corpus == "builtin://python-stdlib-functions"
+
+
+@pytest.mark.parametrize("override, key", [
+    ("finetune.lora_rnak=8", "finetune.lora_rnak"),
+    ("nonsense=1", "nonsense"),
+    ("draft.train.sptes=3", "draft.train.sptes"),
+])
+def test_unknown_key_is_named(override, key):
+    with pytest.raises(ConfigError, match=f"unknown key '{key}'"):
+        load_recipe("tiny", [override])
+
+
+def test_ill_typed_key_is_named():
+    with pytest.raises(ConfigError, match=r"finetune\.train\.learning_rate"):
+        load_recipe("tiny", ["finetune.train.learning_rate=fast"])
+    with pytest.raises(ConfigError, match=r"finetune\.mode"):
+        load_recipe("tiny", ["finetune.mode=qlora"])
+
+
+def test_override_syntax_errors():
+    with pytest.raises(ConfigError, match="key=value"):
+        parse_overrides(["finetune.mode"])
+    assert parse_overrides(["a.b=1", "a.c=x"]) == {"a": {"b": 1, "c": "x"}}
+    assert apply_overrides(TrainConfig(), ["steps=3"]).steps == 3
+
+
+def test_recipe_file_errors(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("finetune: [1, 2\n")
+    with pytest.raises(ConfigError, match="bad.yaml: not valid YAML"):
+        load_recipe(str(bad))
+    with pytest.raises(ConfigError, match="unknown recipe 'missing'"):
+        load_recipe("missing")
+
+
+# -- the stage framework ---------------------------------------------------------------------------
+
+
+def test_stage_skips_when_committed_and_leaves_nothing_on_failure(tmp_path):
+    store = Store(f"file://{tmp_path}/store")
+    calls = []
+
+    def compute(ctx):
+        calls.append(ctx.fingerprint)
+        (ctx.out_dir / "out.txt").write_text("done")
+        return {"n": 1}
+
+    ref = run_stage(store, "demo", {"x": 1}, {}, compute)
+    again = run_stage(store, "demo", {"x": 1}, {}, compute)
+    assert again == ref and len(calls) == 1 and ref.metadata["n"] == 1
+
+    def broken(ctx):
+        (ctx.out_dir / "partial.bin").write_bytes(b"half")
+        raise ValueError("corpus: x is empty")
+
+    with pytest.raises(ValueError, match="empty"):
+        run_stage(store, "demo", {"x": 2}, {"up": ref}, broken)
+    manifests = list((tmp_path / "store").rglob("manifest.json"))
+    assert manifests == [tmp_path / "store" / "demo" / ref.fingerprint / "manifest.json"]
+
+    # a downstream stage sees its input as a local folder
+    seen = {}
+    run_stage(store, "down", {}, {"up": ref}, lambda ctx: seen.update(text=(ctx.inputs["up"] / "out.txt").read_text())
+              or (ctx.out_dir / "y").write_text("y") and {})
+    assert seen["text"] == "done"
+
+
+# -- data loading and training ---------------------------------------------------------------------
+
+
+def test_batches_are_a_function_of_the_step(tiny_base):
+    _, data = tiny_base
+    a = PackedBatches(data, "train", 4, seed=3)
+    b = PackedBatches(data, "train", 4, seed=3)
+    for step in (0, 5, 17):
+        for col, arr in a.batch(step).items():
+            np.testing.assert_array_equal(arr, b.batch(step)[col])
+    assert not np.array_equal(a.batch(0)["input_ids"], PackedBatches(data, "train", 4, seed=4).batch(0)["input_ids"])
+    # one epoch visits every row exactly once
+    seen = {a._locate(i) for i in range(a.total)}
+    assert len(seen) == a.total
+
+
+def test_full_finetune_learns(tiny_base):
+    import models
+
+    base, data = tiny_base
+    cfg = TrainConfig(steps=30, batch_size=8, learning_rate=3e-3, warmup_steps=3, eval_batches=2, log_every=5)
+    trainer = Trainer(models.from_pretrained(str(base)), cfg)
+    metrics = fit(trainer, data)
+    assert metrics["valid_loss_after"] < metrics["valid_loss_before"] - 0.5, metrics
+    assert metrics["final_train_loss"] < metrics["first_train_loss"]
+
+
+def test_lora_trains_only_adapters(tiny_base):
+    import jax
+    from flax import nnx
+
+    import models
+
+    base, data = tiny_base
+    model = models.from_pretrained(str(base))
+    frozen_before = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+    models.apply_lora(model, rank=4, alpha=8, rngs=nnx.Rngs(0))
+    trainer = Trainer(model, TrainConfig(steps=5, batch_size=4, eval_batches=1, log_every=5), trainable=nnx.LoRAParam)
+    fit(trainer, data)
+    trained = trainer.model()
+    after = nnx.to_pure_dict(nnx.state(trained, nnx.Param))
+    # base kernels untouched, LoRA B moved away from its zero init
+    for path, leaf in jax.tree_util.tree_leaves_with_path(frozen_before):
+        node = after
+        for k in path:
+            node = node[k.key]
+        np.testing.assert_array_equal(np.asarray(node), leaf)
+    lora_b = [np.abs(np.asarray(x)).max() for x in jax.tree.leaves(nnx.state(trained, nnx.LoRAParam))]
+    assert max(lora_b) > 0
+
+
+# -- traces packing --------------------------------------------------------------------------------
+
+
+def test_pack_masks_prompt_and_restarts_positions():
+    rows = pack(iter([([1, 10, 11], [20, 21]), ([1, 12], [22])]), seq_len=16, eos=2, pad=0)
+    ids, tgt, pos, seg, mask = (np.array(rows[c][0]) for c in
+                                ("input_ids", "target_ids", "positions", "segment_ids", "loss_mask"))
+    assert ids[:5].tolist() == [1, 10, 11, 20, 21] and tgt[:5].tolist() == [10, 11, 20, 21, 2]
+    assert mask[:5].tolist() == [0, 0, 1, 1, 1]  # loss on the answer and its eos only
+    assert pos[5:8].tolist() == [0, 1, 2] and seg[5:8].tolist() == [2, 2, 2]
+    assert tgt[5:8].tolist() == [12, 22, 2] and mask[5:8].tolist() == [0, 1, 1]
+    assert seg[8:].tolist() == [0] * 8 and mask[8:].sum() == 0
+
+
+# -- gates and export ------------------------------------------------------------------------------
+
+
+def _report(ft=10.0, q=10.05, lossless=True, acc=2.0):
+    return {"perplexity": {"base": 12.0, "finetuned": ft, "int8": q},
+            "quantization": {"int8": {}},
+            "draft": {"lossless": lossless, "mismatched_prompts": 0 if lossless else 1, "acceptance_length": acc}}
+
+
+def test_gates():
+    assert all(g["passed"] for g in gates(_report(), Gates()))
+    failed = {g["gate"] for g in gates(_report(q=13.5, lossless=False, acc=1.0, ft=13.0), Gates()) if not g["passed"]}
+    assert len(failed) == 4
+
+
+def test_export_refuses_failed_gates(tmp_path):
+    from tasks.export import ExportConfig, GateError, export
+    from tasks.stage import StageContext
+
+    ev = tmp_path / "evaluate"
+    ev.mkdir()
+    report = {**_report(q=11.0), "gates": gates(_report(q=11.0), Gates())}
+    (ev / "report.json").write_text(json.dumps(report))
+    ref = type("R", (), {"url": "file:///x/evaluate/abc"})()
+    ctx = StageContext("export", "fp", tmp_path / "out", {"evaluate": ev}, {"evaluate": ref}, None)
+    with pytest.raises(GateError, match="int8 perplexity"):
+        export(ExportConfig(name="t", recipe={}), ctx)
+    assert not Path(tmp_path / "out").exists()
