@@ -37,11 +37,11 @@ class ModelShape(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     architecture: Literal["LlamaForCausalLM", "Qwen3ForCausalLM"] = "LlamaForCausalLM"
-    hidden_size: int = Field(256, ge=8)
-    intermediate_size: int = Field(704, ge=8)
-    num_hidden_layers: int = Field(6, ge=1)
-    num_attention_heads: int = Field(8, ge=1)
-    num_key_value_heads: int = Field(4, ge=1)
+    hidden_size: int = Field(192, ge=8)
+    intermediate_size: int = Field(512, ge=8)
+    num_hidden_layers: int = Field(4, ge=1)
+    num_attention_heads: int = Field(6, ge=1)
+    num_key_value_heads: int = Field(2, ge=1)
     head_dim: int | None = None
     tie_word_embeddings: bool = False
     rope_theta: float = 10000.0
@@ -54,8 +54,8 @@ class BaseConfig(BaseModel):
     url: str | None = None  # an HF checkpoint folder; None -> pretrain `model` on `data`
     data: DataPrepConfig = DataPrepConfig(corpus="builtin://python-stdlib")
     model: ModelShape = ModelShape()
-    train: TrainConfig = TrainConfig(steps=300, batch_size=16, learning_rate=3e-3, warmup_steps=30,
-                                     checkpoint_every=100)
+    train: TrainConfig = TrainConfig(steps=200, batch_size=16, learning_rate=3e-3, warmup_steps=20,
+                                     checkpoint_every=50)
 
 
 def llama_config(shape: ModelShape, data_dir: Path) -> models.LlamaConfig:

@@ -38,8 +38,8 @@ class DraftConfig(BaseModel):
 
     layers: int = Field(1, ge=1)
     k: int = Field(4, ge=1)  # tokens proposed per verification step (recorded for serving)
-    train: TrainConfig = TrainConfig(steps=200, batch_size=16, learning_rate=2e-3, warmup_steps=10,
-                                     checkpoint_every=100)
+    train: TrainConfig = TrainConfig(steps=150, batch_size=16, learning_rate=2e-3, warmup_steps=10,
+                                     checkpoint_every=50)
 
 
 def truncate_checkpoint(target_dir: Path, layers: int, out: Path) -> None:

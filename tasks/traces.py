@@ -41,7 +41,7 @@ log = logging.getLogger("forgeline.traces")
 class TracesConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    num_prompts: int = Field(384, ge=1)  # training prompts to regenerate
+    num_prompts: int = Field(256, ge=1)  # training prompts to regenerate
     skip_prompts: int = Field(0, ge=0)  # start after this many (a refresh takes prompts the last draft never saw)
     num_valid_prompts: int = Field(32, ge=1)  # held-out prompts (the draft's validation split)
     max_prompt_len: int = Field(160, ge=2)
