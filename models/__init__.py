@@ -1,0 +1,22 @@
+"""forgeline models: JAX/Flax NNX decoders, HF safetensors I/O, generation, LoRA and int8.
+
+    from models import from_pretrained, save_pretrained, generate
+    model = from_pretrained("ckpt/")             # architecture chosen by config.json (registry.py)
+    logits = model(input_ids)                    # [B, T, V]
+"""
+
+from models.generate import GenerateOutput, KVCache, generate, jit_forward
+from models.hf import from_pretrained, hf_to_state, save_pretrained, state_to_hf
+from models.layers import Linear
+from models.llama import Llama, LlamaConfig
+from models.lora import apply_lora, lora_state_to_peft, merge_lora, save_peft_adapter
+from models.quant import int8_to_compressed_tensors, quantize_int8, weight_bytes
+from models.registry import ARCHITECTURES
+from models.speculative import SpecOutput, speculative_generate
+
+__all__ = [
+    "ARCHITECTURES", "GenerateOutput", "KVCache", "Linear", "Llama", "LlamaConfig", "SpecOutput",
+    "apply_lora", "from_pretrained", "generate", "hf_to_state", "int8_to_compressed_tensors", "jit_forward",
+    "lora_state_to_peft", "merge_lora", "quantize_int8", "save_peft_adapter", "save_pretrained",
+    "speculative_generate", "state_to_hf", "weight_bytes",
+]

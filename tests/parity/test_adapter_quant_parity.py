@@ -84,7 +84,8 @@ def test_compressed_tensors_decompresses_to_our_weights(hf_checkpoint):
         # the full decompressor
         state = {"weight_packed": torch.from_numpy(packed), "weight_scale": torch.from_numpy(scale),
                  "weight_shape": torch.from_numpy(shape)}
-        np.testing.assert_array_equal(PackedQuantizationCompressor.decompress(state, scheme)["weight"].numpy(), ours)
+        decompressed = PackedQuantizationCompressor.decompress(state, scheme)["weight"]
+        np.testing.assert_array_equal(decompressed.numpy(), ours)
 
 
 def test_transformers_loads_our_int8_checkpoint(hf_checkpoint, tmp_path):
@@ -93,5 +94,6 @@ def test_transformers_loads_our_int8_checkpoint(hf_checkpoint, tmp_path):
     save_pretrained(model, str(tmp_path / "w8a16"))
     config = json.loads((tmp_path / "w8a16" / "config.json").read_text())
     assert config["quantization_config"]["ignore"] == ["lm_head"]
-    reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "w8a16")).eval()  # decompresses
+    # transformers' compressed-tensors integration decompresses on load
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "w8a16")).eval()
     assert rel_err(model(jnp.asarray(IDS)), hf_logits(reloaded, IDS)) <= 1e-4

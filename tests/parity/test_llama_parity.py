@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from parity_helpers import TINY, VARIANTS, hf_logits, rel_err
+from parity_helpers import TINY, VARIANTS, build_hf, hf_logits, rel_err
 
 from models import KVCache, from_pretrained, generate, jit_forward, save_pretrained
 
@@ -49,7 +49,8 @@ def test_left_padded_batch_matches_transformers(hf_checkpoint):
     mask = np.ones_like(ids)
     mask[1, :5] = 0  # row 1 is left-padded
     positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0)
-    ours = np.asarray(model(jnp.asarray(ids), positions=jnp.asarray(positions), segment_ids=jnp.asarray(mask)))
+    ours = model(jnp.asarray(ids), positions=jnp.asarray(positions), segment_ids=jnp.asarray(mask))
+    ours = np.asarray(ours)
     ref = hf_logits(hf, ids, mask)
     assert rel_err(ours[mask == 1], ref[mask == 1]) <= 1e-4
 
@@ -65,6 +66,17 @@ def test_segment_packing_equals_separate_sequences(hf_checkpoint):
     assert rel_err(out[:, :9], hf_logits(hf, a)) <= 1e-4
     assert rel_err(out[:, 9:15], hf_logits(hf, b)) <= 1e-4
     assert rel_err(out[:, 9:15], model(jnp.asarray(b))) <= 1e-5
+
+
+def test_long_packed_rows_use_blocked_attention_and_match_transformers(hf_checkpoint):
+    hf, path = hf_checkpoint("qwen3")
+    model = jit_forward(from_pretrained(path))
+    a, b = random_ids(1, 170), random_ids(1, 60)  # T = 240 > CAUSAL_CHUNK: several query blocks
+    packed = np.concatenate([a, b, np.zeros((1, 10), np.int32)], axis=1)
+    seg = np.array([[1] * 170 + [2] * 60 + [0] * 10], np.int32)
+    out = np.asarray(model(jnp.asarray(packed), segment_ids=jnp.asarray(seg)))
+    assert rel_err(out[:, :170], hf_logits(hf, a)) <= 1e-4
+    assert rel_err(out[:, 170:230], hf_logits(hf, b)) <= 1e-4
 
 
 @pytest.mark.parametrize("variant", ["llama", "qwen3_tied"])
@@ -145,3 +157,11 @@ def test_greedy_generate_matches_transformers(hf_checkpoint, variant):
                    eos_token_id=eos, pad_token_id=0)
     got = np.asarray(out.tokens)[:, : ref.shape[1]]
     np.testing.assert_array_equal(got, ref)
+
+
+def test_transformers_sharded_checkpoint_loads(tmp_path):
+    hf = build_hf("llama_bias", seed=3)
+    hf.save_pretrained(tmp_path, max_shard_size="100KB")
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    ids = random_ids(1, 16)
+    assert rel_err(from_pretrained(str(tmp_path))(jnp.asarray(ids)), hf_logits(hf, ids)) <= 1e-4

@@ -53,7 +53,8 @@ def test_padded_rows_equal_unpadded(target, side):
     pad = np.zeros((1, 3), np.int32)
     row0 = np.concatenate([pad, short], 1) if side == "left" else np.concatenate([short, pad], 1)
     batch = np.concatenate([row0, long], 0)
-    out = generate(target, jnp.asarray(batch), prompt_lengths=jnp.array([3, 6]), padding_side=side, max_new_tokens=5)
+    out = generate(target, jnp.asarray(batch), prompt_lengths=jnp.array([3, 6]), padding_side=side,
+                   max_new_tokens=5)
     np.testing.assert_array_equal(np.asarray(out.tokens[0]), naive_greedy(target, short, 5)[0])
     np.testing.assert_array_equal(np.asarray(out.tokens[1]), naive_greedy(target, long, 5)[0])
 
@@ -135,6 +136,7 @@ def test_speculative_stops_at_eos_like_greedy(target, draft):
     ref = generate(target, ids, max_new_tokens=17, eos_token_id=eos)
     assert int(ref.lengths[0]) <= 7
     for d in (draft, target):
-        out = speculative_generate(target, d, ids, max_new_tokens=17, k=3 if d is draft else 4, eos_token_id=eos)
+        k = 3 if d is draft else 4
+        out = speculative_generate(target, d, ids, max_new_tokens=17, k=k, eos_token_id=eos)
         np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
         assert out.lengths.tolist() == ref.lengths.tolist()

@@ -99,11 +99,13 @@ def test_remote_urls_go_through_storage(saved, tmp_path, monkeypatch):
     def upload_dir(local_dir, url):
         calls.append(("up", url, sorted(os.listdir(local_dir))))
 
-    monkeypatch.setitem(sys.modules, "storage", types.SimpleNamespace(download_dir=download_dir, upload_dir=upload_dir))
+    fake = types.SimpleNamespace(download_dir=download_dir, upload_dir=upload_dir)
+    monkeypatch.setitem(sys.modules, "storage", fake)
     model = from_pretrained("s3://bucket/ckpt")
     save_pretrained(model, "s3://bucket/out")
     assert calls[0] == ("down", "s3://bucket/ckpt")
-    assert calls[1] == ("up", "s3://bucket/out", ["config.json", "generation_config.json", "model.safetensors"])
+    files = ["config.json", "generation_config.json", "model.safetensors"]
+    assert calls[1] == ("up", "s3://bucket/out", files)
 
 
 def test_truncated_file_names_file_and_tensor(saved, tmp_path):
@@ -133,7 +135,8 @@ def test_missing_tensor_and_wrong_shape(saved, tmp_path):
     tensors = safetensors.numpy.load_file(str(path / "model.safetensors"))
     bad = copy_ckpt(path, tmp_path / "missing")
     name = "model.layers.0.mlp.up_proj.weight"
-    safetensors.numpy.save_file({k: v for k, v in tensors.items() if k != name}, str(bad / "model.safetensors"))
+    kept = {k: v for k, v in tensors.items() if k != name}
+    safetensors.numpy.save_file(kept, str(bad / "model.safetensors"))
     with pytest.raises(ValueError, match=rf"model\.safetensors.*missing tensor {name}"):
         from_pretrained(str(bad))
     tensors[name] = np.zeros((3, 3), np.float32)

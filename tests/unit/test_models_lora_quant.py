@@ -85,7 +85,8 @@ def test_peft_tensor_layout():
     apply_lora(model, rank=4, alpha=16, target_modules=("q_proj", "down_proj"))
     config, tensors = lora_state_to_peft(model, "base/model")
     assert config["peft_type"] == "LORA" and config["task_type"] == "CAUSAL_LM"
-    assert config["r"] == 4 and config["lora_alpha"] == 16 and config["target_modules"] == ["down_proj", "q_proj"]
+    assert config["r"] == 4 and config["lora_alpha"] == 16
+    assert config["target_modules"] == ["down_proj", "q_proj"]
     assert tensors["base_model.model.model.layers.1.self_attn.q_proj.lora_A.weight"].shape == (4, 64)
     assert tensors["base_model.model.model.layers.1.mlp.down_proj.lora_B.weight"].shape == (64, 4)
     assert len(tensors) == 2 * 2 * 2

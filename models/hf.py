@@ -1,0 +1,374 @@
+"""HF checkpoint I/O: config.json + (sharded) safetensors <-> NNX models, in the transformers layout.
+
+Reference: /work/shared/reference/architectures.md §2.6 (tied heads omit lm_head on disk), §2.7
+(config spellings), §4.3 (tensor names and [out, in] shapes) and
+speculative-and-quantization-formats.md §B2 (compressed-tensors int8 checkpoints).
+
+    model = from_pretrained("ckpt/")            # or file:///abs/ckpt, or s3://... through storage/
+    save_pretrained(model, "out/", max_shard_bytes=2**30)
+
+The key map is structural: a module at nnx path ("layers", 3, "self_attn", "q_proj") is the HF
+module "model.layers.3.self_attn.q_proj" (the LM head stays top-level "lm_head"); a Linear's
+kernel [in, out] is the HF weight [out, in] transposed; Embed and RMSNorm weights are stored as is.
+
+Only safetensors are read (safetensors.numpy; never pickle). Every header is validated before a
+byte of data is read, so a corrupt or truncated file, a missing tensor or a wrong shape raises a
+one-line ValueError naming the file and the tensor. Local paths and file:// URLs are used
+directly; any other scheme goes through `storage.download_dir` / `storage.upload_dir`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import re
+import tempfile
+from collections.abc import Iterator, Mapping
+from typing import Any
+from urllib.parse import urlparse
+from urllib.request import url2pathname
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import safetensors
+import safetensors.numpy
+from flax import nnx
+
+from models import quant, registry
+from models.layers import Embed, Linear, RMSNorm, hf_name
+
+log = logging.getLogger(__name__)
+
+SAFETENSORS_DTYPES = {  # safetensors dtype tag -> bytes per element
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "E8M0": 1, "I16": 2, "U16": 2, "F16": 2,
+    "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8,
+}
+DTYPE_NAMES = {jnp.dtype(jnp.float32): "float32", jnp.dtype(jnp.bfloat16): "bfloat16",
+               jnp.dtype(jnp.float16): "float16"}
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+# ------------------------------------------------------------------------------------------------
+# URLs: local paths and file:// directly, anything else through storage/
+# ------------------------------------------------------------------------------------------------
+
+
+def _local_path(path_or_url: str) -> str | None:
+    parsed = urlparse(str(path_or_url))
+    if parsed.scheme == "" or (len(parsed.scheme) == 1 and os.name == "nt"):
+        return str(path_or_url)
+    if parsed.scheme == "file":
+        return url2pathname(parsed.netloc + parsed.path) if parsed.netloc else url2pathname(parsed.path)
+    return None
+
+
+@contextlib.contextmanager
+def readable_dir(path_or_url: str) -> Iterator[str]:
+    """A local folder holding the contents of `path_or_url` for the duration of the block."""
+    local = _local_path(path_or_url)
+    if local is not None:
+        yield local
+        return
+    from storage import download_dir  # lazy: local paths must not depend on storage/
+
+    with tempfile.TemporaryDirectory(prefix="forgeline-dl-") as tmp:
+        download_dir(path_or_url, tmp)
+        yield tmp
+
+
+@contextlib.contextmanager
+def writable_dir(path_or_url: str) -> Iterator[str]:
+    """A local folder whose contents end up at `path_or_url` when the block exits without error."""
+    local = _local_path(path_or_url)
+    if local is not None:
+        os.makedirs(local, exist_ok=True)
+        yield local
+        return
+    from storage import upload_dir
+
+    with tempfile.TemporaryDirectory(prefix="forgeline-ul-") as tmp:
+        yield tmp
+        upload_dir(tmp, path_or_url)
+
+
+# ------------------------------------------------------------------------------------------------
+# Reading safetensors with validation
+# ------------------------------------------------------------------------------------------------
+
+
+def read_safetensors_header(path: str) -> dict[str, dict[str, Any]]:
+    """Parse and validate a safetensors header: {name: {dtype, shape, data_offsets}}; ValueError if bad."""
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise ValueError(f"{path}: corrupt safetensors: {size} bytes, too short for a header")
+            n = int.from_bytes(head, "little")
+            if 8 + n > size:
+                raise ValueError(f"{path}: corrupt or truncated safetensors: {n}-byte header in {size} bytes")
+            header = json.loads(f.read(n))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: corrupt safetensors header ({type(e).__name__}: {e})") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path}: corrupt safetensors header (not a JSON object)")
+    header.pop("__metadata__", None)
+    data_bytes = size - 8 - n
+    for name, info in header.items():
+        try:
+            dtype, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
+            expected = math.prod(shape) * SAFETENSORS_DTYPES[dtype]
+        except (KeyError, TypeError, ValueError):
+            raise ValueError(f"{path}: corrupt safetensors header entry for tensor {name}") from None
+        if end - begin != expected or begin < 0:
+            raise ValueError(f"{path}: corrupt safetensors: tensor {name} spans {end - begin} bytes, "
+                             f"{dtype}{shape} needs {expected}")
+        if end > data_bytes:
+            raise ValueError(f"{path}: truncated safetensors: tensor {name} ends at byte {end} of the data "
+                             f"section but the file holds {data_bytes}")
+    return header
+
+
+class SafetensorsCheckpoint(Mapping):
+    """Lazy {tensor name: np.ndarray} over a folder's model.safetensors or index + shards."""
+
+    def __init__(self, folder: str):
+        self.folder = folder
+        index_path = os.path.join(folder, INDEX_FILE)
+        if os.path.exists(index_path):
+            try:
+                with open(index_path) as f:
+                    weight_map = json.load(f)["weight_map"]
+            except (OSError, ValueError, KeyError) as e:
+                raise ValueError(f"{index_path}: unreadable index ({type(e).__name__}: {e})") from None
+            files = sorted(set(weight_map.values()))
+        elif os.path.exists(os.path.join(folder, SINGLE_FILE)):
+            weight_map, files = None, [SINGLE_FILE]
+        else:
+            raise ValueError(f"{folder}: no {SINGLE_FILE} or {INDEX_FILE}")
+        self.sharded = weight_map is not None
+        self.headers = {fn: read_safetensors_header(os.path.join(folder, fn)) for fn in files}
+        self.file_of: dict[str, str] = {}
+        for fn, header in self.headers.items():
+            for name in header:
+                self.file_of[name] = fn
+        if weight_map is not None:
+            for name, fn in weight_map.items():
+                if name not in self.headers[fn]:
+                    path = os.path.join(folder, fn)
+                    raise ValueError(f"{path}: missing tensor {name} (listed in {INDEX_FILE})")
+
+    def path_of(self, name: str) -> str:
+        """The file holding `name`, or for a missing tensor the file that should have (the index)."""
+        if name in self.file_of:
+            return os.path.join(self.folder, self.file_of[name])
+        return os.path.join(self.folder, INDEX_FILE if self.sharded else SINGLE_FILE)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.headers[self.file_of[name]][name]["shape"])
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        if name not in self.file_of:
+            raise KeyError(name)
+        path = self.path_of(name)
+        try:
+            with safetensors.safe_open(path, framework="numpy") as f:
+                return f.get_tensor(name)
+        except Exception as e:  # the library's own error types vary across versions
+            raise ValueError(f"{path}: cannot read tensor {name} ({type(e).__name__}: {e})") from None
+
+    def __iter__(self):
+        return iter(self.file_of)
+
+    def __len__(self) -> int:
+        return len(self.file_of)
+
+
+# ------------------------------------------------------------------------------------------------
+# Model state <-> HF tensors
+# ------------------------------------------------------------------------------------------------
+
+
+def _named_modules(model: nnx.Module) -> list[tuple[str, tuple, nnx.Module]]:
+    mods = [(hf_name(p), p, n) for p, n in nnx.iter_graph(model) if isinstance(n, (Linear, Embed, RMSNorm))]
+    return sorted(mods, key=lambda m: _natural_key(m[0]))
+
+
+def _natural_key(name: str) -> list:
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
+
+
+def _np(x: jax.Array, dtype: Any) -> np.ndarray:
+    return np.ascontiguousarray(np.asarray(jnp.asarray(x).astype(dtype)))
+
+
+def state_to_hf(
+    model: nnx.Module, *, dtype: Any = None, skip_quantized: bool = False
+) -> dict[str, np.ndarray]:
+    """HF-named float tensors ([out, in] for Linear). LoRA factors are folded in, int8 layers are
+    dequantized (or skipped with `skip_quantized`, for the compressed-tensors writer)."""
+    out: dict[str, np.ndarray] = {}
+    for name, _, mod in _named_modules(model):
+        if isinstance(mod, Linear):
+            if mod.qweight is not None and skip_quantized:
+                continue
+            w = mod.weight()
+            out[f"{name}.weight"] = _np(w.T, dtype or w.dtype)  # [out, in]
+            if mod.bias is not None:
+                out[f"{name}.bias"] = _np(mod.bias[...], dtype or mod.bias[...].dtype)
+        else:
+            w = mod.weight[...]
+            out[f"{name}.weight"] = _np(w, dtype or w.dtype)
+    return out
+
+
+def hf_to_state(
+    model: nnx.Module, tensors: Mapping[str, np.ndarray], *, source: str = "<tensors>"
+) -> nnx.State:
+    """Fill `model`'s variables in place from HF-named `tensors` (works on an `nnx.eval_shape`
+    model) and return its state. Missing tensors and wrong shapes raise ValueError."""
+    where = tensors.path_of if isinstance(tensors, SafetensorsCheckpoint) else (lambda _: source)
+    used: set[str] = set()
+
+    def get(name: str, shape: tuple[int, ...]) -> np.ndarray:
+        if name not in tensors:
+            raise ValueError(f"{where(name)}: missing tensor {name}")
+        arr = tensors[name]
+        if tuple(arr.shape) != tuple(shape):
+            raise ValueError(
+                f"{where(name)}: tensor {name} has shape {list(arr.shape)}, expected {list(shape)}")
+        used.add(name)
+        return arr
+
+    def put(var: nnx.Variable, arr: np.ndarray) -> None:
+        var.set_value(jnp.asarray(arr, dtype=var.get_value().dtype))
+
+    for name, _, mod in _named_modules(model):
+        if isinstance(mod, Linear):
+            i, o = mod.in_features, mod.out_features
+            if mod.qweight is not None:
+                packed = get(f"{name}.weight_packed", (o, -(-i // quant.PACK)))
+                shape = get(f"{name}.weight_shape", (2,))
+                if [int(s) for s in shape] != [o, i]:
+                    raise ValueError(f"{where(name + '.weight_shape')}: tensor {name}.weight_shape is "
+                                     f"{shape.tolist()}, expected {[o, i]}")
+                put(mod.qweight, quant.unpack_int8(np.asarray(packed), (o, i)).T)
+                put(mod.scale, np.asarray(get(f"{name}.weight_scale", (o, 1)), np.float32)[:, 0])
+            else:
+                put(mod.kernel, np.asarray(get(f"{name}.weight", (o, i))).T)
+            if mod.bias is not None:
+                put(mod.bias, get(f"{name}.bias", (o,)))
+        else:
+            put(mod.weight, get(f"{name}.weight", tuple(mod.weight.get_value().shape)))
+    extra = sorted(set(tensors) - used)
+    if extra:
+        log.warning("%s: ignoring %d unexpected tensors, e.g. %s", source, len(extra), extra[:3])
+    state = nnx.state(model)
+    if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(state)):
+        raise ValueError(f"{source}: some variables were not loaded")  # a family/loader mismatch
+    return state
+
+
+# ------------------------------------------------------------------------------------------------
+# from_pretrained / save_pretrained
+# ------------------------------------------------------------------------------------------------
+
+
+def load_config(folder: str) -> dict[str, Any]:
+    path = os.path.join(folder, "config.json")
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: cannot read config ({type(e).__name__}: {e})") from None
+
+
+def from_pretrained(path_or_url: str, *, dtype: Any = jnp.float32) -> nnx.Module:
+    """Build the model named by config.json `architectures` and load its safetensors weights.
+
+    Parameters and activations use `dtype`. A compressed-tensors int8 checkpoint (as written by
+    `save_pretrained` of a `quantize_int8` model) loads as an int8 model.
+    """
+    with readable_dir(path_or_url) as folder:
+        cfg_dict = load_config(folder)
+        config_cls, model_cls = registry.resolve(cfg_dict, os.path.join(folder, "config.json"))
+        config = config_cls.from_hf(cfg_dict)
+        model = nnx.eval_shape(lambda: model_cls(config, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=dtype))
+        if cfg_dict.get("quantization_config"):
+            quant.check_compressed_tensors_config(cfg_dict["quantization_config"],
+                                                  os.path.join(folder, "config.json"))
+            for _, lin in quant.quantizable_linears(model):
+                quant.set_int8(lin, jnp.zeros((lin.in_features, lin.out_features), jnp.int8),
+                               jnp.ones((lin.out_features,), jnp.float32))
+        hf_to_state(model, SafetensorsCheckpoint(folder), source=folder)
+    return model
+
+
+def _shards(tensors: dict[str, np.ndarray], max_shard_bytes: int) -> list[dict[str, np.ndarray]]:
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for name in sorted(tensors, key=_natural_key):
+        nbytes = tensors[name].nbytes
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensors[name]
+        size += nbytes
+    return shards
+
+
+def save_pretrained(
+    model: nnx.Module, path_or_url: str, *, max_shard_bytes: int = 2**30, dtype: Any = None
+) -> None:
+    """Write config.json, generation_config.json and safetensors in the transformers layout.
+
+    `dtype` (default: the model's param dtype) is the on-disk float dtype. More than
+    `max_shard_bytes` of tensors are split into model-0000i-of-0000n.safetensors plus
+    model.safetensors.index.json. A tied model omits lm_head.weight; LoRA factors are merged into
+    the written weights; an int8 model is written as compressed-tensors pack-quantized.
+    """
+    dtype = jnp.dtype(dtype or getattr(model, "param_dtype", jnp.float32))
+    if dtype not in DTYPE_NAMES:
+        raise ValueError(f"unsupported save dtype {dtype}")
+    quantized = quant.is_quantized(model)
+    tensors = state_to_hf(model, dtype=dtype, skip_quantized=quantized)
+    config = model.config.to_hf(DTYPE_NAMES[dtype])
+    if quantized:
+        qconfig, qtensors = quant.int8_to_compressed_tensors(model, scale_dtype=dtype)
+        tensors.update(qtensors)
+        config["quantization_config"] = qconfig
+    shards = _shards(tensors, max_shard_bytes)
+    cfg = model.config
+    eos = list(cfg.eos_token_id) if isinstance(cfg.eos_token_id, tuple) else cfg.eos_token_id
+    gen = {"_from_model_config": True, "bos_token_id": cfg.bos_token_id, "eos_token_id": eos,
+           "pad_token_id": cfg.pad_token_id}
+    gen = {k: v for k, v in gen.items() if v is not None}
+    meta = {"format": "pt"}
+    with writable_dir(path_or_url) as folder:
+        for fn in os.listdir(folder):  # stale weights from an earlier save would confuse loaders
+            if re.fullmatch(r"model(-\d+-of-\d+)?\.safetensors(\.index\.json)?", fn):
+                os.remove(os.path.join(folder, fn))
+        if len(shards) == 1:
+            safetensors.numpy.save_file(shards[0], os.path.join(folder, SINGLE_FILE), metadata=meta)
+        else:
+            weight_map = {}
+            for i, shard in enumerate(shards):
+                fn = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+                safetensors.numpy.save_file(shard, os.path.join(folder, fn), metadata=meta)
+                weight_map.update({name: fn for name in shard})
+            total = sum(t.nbytes for t in tensors.values())
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            _write_json(os.path.join(folder, INDEX_FILE), index)
+        _write_json(os.path.join(folder, "config.json"), config)
+        _write_json(os.path.join(folder, "generation_config.json"), gen)
+
+
+def _write_json(path: str, obj: Any) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=2, sort_keys=True)
+        f.write("\n")

@@ -1,0 +1,251 @@
+"""Shared building blocks for the decoder families: Linear (LoRA- and int8-capable), Embed, RMSNorm,
+rotary embeddings and the one attention kernel used for training, prefill, decode and verify.
+
+Mirrors /work/shared/reference/architectures.md §2 (RMSNorm cast order, NeoX RoPE, GQA attention)
+and §3.1–3.2 (default and llama3 RoPE frequencies).
+
+Shape legend: B batch, T query length, S key length (cache length when decoding), D model width,
+N query heads, K kv heads, G = N / K query heads per kv head, H head dim, V vocab.
+
+Every parameter carries logical sharding axis names in its `out_sharding` metadata (see
+models/sharding.py for the rule table that maps them onto mesh axes).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+Axes = tuple[str | None, ...]
+INIT_STD = 0.02  # transformers' initializer_range
+
+
+def param(value: jax.Array, axes: Axes, cls: type[nnx.Variable] = nnx.Param) -> nnx.Variable:
+    """A variable with logical axis names as metadata only (no eager placement on a mesh)."""
+    return cls(value, out_sharding=axes, eager_sharding=False)
+
+
+def hf_name(path: tuple) -> str:
+    """HF module name of an nnx path: ("layers", 0, "mlp") -> "model.layers.0.mlp"; lm_head is top-level."""
+    return ("" if path[:1] == ("lm_head",) else "model.") + ".".join(str(p) for p in path)
+
+
+class QuantWeight(nnx.Variable):
+    """int8 weight of a quantized Linear, [in, out]. Not a Param: optimizers never touch it."""
+
+
+class QuantScale(nnx.Variable):
+    """Per-output-channel dequantisation scale of a quantized Linear, [out]."""
+
+
+# ------------------------------------------------------------------------------------------------
+# Linear: kernel [in, out] (+ bias), optionally LoRA factors or an int8 weight instead of the kernel
+# ------------------------------------------------------------------------------------------------
+
+
+class Linear(nnx.Module):
+    """y = x @ kernel (+ bias) (+ scale · (x @ lora_a) @ lora_b).
+
+    States (see models/lora.py and models/quant.py for the transitions):
+      float:     kernel Param [in, out]
+      LoRA:      kernel Param + lora_a LoRAParam [in, r] + lora_b LoRAParam [r, out], lora_scale = alpha/r
+      int8:      qweight QuantWeight int8 [in, out] + scale QuantScale [out]; kernel is None
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        *,
+        axes: tuple[str | None, str | None],
+        use_bias: bool = False,
+        rngs: nnx.Rngs,
+        dtype: Any = jnp.float32,
+        param_dtype: Any = jnp.float32,
+    ):
+        self.in_features, self.out_features = in_features, out_features
+        self.axes = axes
+        self.dtype = dtype
+        init = nnx.initializers.normal(INIT_STD)
+        self.kernel = nnx.data(param(init(rngs.params(), (in_features, out_features), param_dtype), axes))
+        self.bias = nnx.data(param(jnp.zeros((out_features,), param_dtype), (axes[1],)) if use_bias else None)
+        self.lora_a = nnx.data(None)
+        self.lora_b = nnx.data(None)
+        self.lora_scale = 0.0  # alpha / r
+        self.lora_rank, self.lora_alpha = 0, 0.0
+        self.qweight = nnx.data(None)
+        self.scale = nnx.data(None)
+
+    def weight(self) -> jax.Array:
+        """The effective float kernel [in, out]: dequantized and with LoRA folded in."""
+        if self.qweight is not None:
+            w = self.qweight[...].astype(jnp.float32) * self.scale[...].astype(jnp.float32)
+        else:
+            w = self.kernel[...]
+        if self.lora_a is not None:
+            delta = jnp.einsum("ir,ro->io", self.lora_a[...], self.lora_b[...]) * self.lora_scale
+            w = w + delta.astype(w.dtype)
+        return w
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        # Flatten to one 2-D GEMM: XLA:CPU runs the backward of a [B, T, in] x [in, out] dot_general
+        # (two contracting dims for the kernel gradient) much slower than the plain [B*T, in] form.
+        lead = x.shape[:-1]
+        x = x.astype(self.dtype).reshape(-1, self.in_features)  # [B*T, in]
+        if self.qweight is not None:
+            # dequantize on the fly; the per-channel scale is applied to the [.., out] result
+            y = x @ self.qweight[...].astype(self.dtype) * self.scale[...].astype(self.dtype)
+        else:
+            y = x @ self.kernel[...].astype(self.dtype)
+        if self.lora_a is not None:
+            a = x @ self.lora_a[...].astype(self.dtype)  # [B*T, r]
+            y = y + (a @ self.lora_b[...].astype(self.dtype)) * self.lora_scale
+        if self.bias is not None:
+            y = y + self.bias[...].astype(self.dtype)
+        return y.reshape(*lead, self.out_features)
+
+
+class Embed(nnx.Module):
+    """Token embedding table weight [V, D] (HF layout, no transpose); `attend` is the tied LM head."""
+
+    def __init__(self, num: int, features: int, *, rngs: nnx.Rngs, dtype: Any, param_dtype: Any):
+        self.dtype = dtype
+        init = nnx.initializers.normal(INIT_STD)
+        self.weight = param(init(rngs.params(), (num, features), param_dtype), ("vocab", "embed"))
+
+    def __call__(self, ids: jax.Array) -> jax.Array:
+        return jnp.take(self.weight[...], ids, axis=0).astype(self.dtype)  # [B, T, D]
+
+    def attend(self, x: jax.Array) -> jax.Array:
+        """Tied LM head: x [B, T, D] -> logits [B, T, V] (one 2-D GEMM, see Linear)."""
+        flat = x.astype(self.dtype).reshape(-1, x.shape[-1])  # [B*T, D]
+        return (flat @ self.weight[...].astype(self.dtype).T).reshape(*x.shape[:-1], -1)
+
+
+class RMSNorm(nnx.Module):
+    """w · x / sqrt(mean(x²) + eps): statistics in fp32, cast back to the input dtype, then × w."""
+
+    def __init__(self, features: int, *, eps: float, axis_name: str = "norm", param_dtype: Any = jnp.float32):
+        self.eps = eps
+        self.weight = param(jnp.ones((features,), param_dtype), (axis_name,))
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...].astype(x.dtype) * y.astype(x.dtype)
+
+
+# ------------------------------------------------------------------------------------------------
+# Rotary embeddings (NeoX halves), computed once per forward call and shared by every layer
+# ------------------------------------------------------------------------------------------------
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: Mapping[str, Any] | None = None) -> np.ndarray:
+    """inv_freq [H/2] in float32, exactly as transformers computes it (default and llama3 types)."""
+    exponent = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
+    inv_freq = (1.0 / (np.float32(theta) ** exponent)).astype(np.float32)
+    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if rope_type in (None, "default"):
+        return inv_freq
+    if rope_type != "llama3":
+        raise NotImplementedError(f"rope_type {rope_type!r} is not supported by this model family")
+    factor = float(scaling["factor"])
+    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+    orig = float(scaling["original_max_position_embeddings"])
+    low_wavelen, high_wavelen = orig / low, orig / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = np.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (orig / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return np.where(is_medium, smoothed, scaled).astype(np.float32)
+
+
+def rope_cos_sin(positions: jax.Array, inv_freq: np.ndarray, dtype: Any) -> tuple[jax.Array, jax.Array]:
+    """cos, sin [B, T, H] for integer positions [B, T] (angles in fp32, then cast to dtype)."""
+    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)[None, None, :]  # [B, T, H/2]
+    angles = jnp.concatenate([angles, angles], axis=-1)  # [B, T, H]
+    return jnp.cos(angles).astype(dtype), jnp.sin(angles).astype(dtype)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x [B, T, N, H] rotated as x·cos + rotate_half(x)·sin with rotate_half([x1, x2]) = [-x2, x1]."""
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    return x * cos[:, :, None, :] + rotated * sin[:, :, None, :]
+
+
+# ------------------------------------------------------------------------------------------------
+# Attention: one kernel for every mode; the caller builds mask [B, T, S] (True = may attend)
+# ------------------------------------------------------------------------------------------------
+
+NEG_INF = float(jnp.finfo(jnp.float32).min)
+CAUSAL_CHUNK = 128  # query block size when a call's keys are its own queries (training / eval)
+
+
+@jax.custom_vjp
+def attention_core(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
+    """softmax(q kᵀ + mask) v per kv head. q [B, K, T, G, H] (already scaled), k/v [B, K, S, H],
+    mask [B, T, S] -> [B, K, T, G, H]. The G query heads sharing a kv head ride along the query
+    axis, so both products are plain batched GEMMs. Softmax in fp32; a fully masked row (a padding
+    query) gets a uniform distribution instead of NaN."""
+    return _attention_fwd(q, k, v, mask)[0]
+
+
+def _attention_fwd(q, k, v, mask):
+    B, K, T, G, H = q.shape
+    scores = jnp.einsum("bkqh,bksh->bkqs", q.reshape(B, K, T * G, H), k).astype(jnp.float32)
+    scores = jnp.where(mask[:, None, :, None, :], scores.reshape(B, K, T, G, -1), NEG_INF)  # [B, K, T, G, S]
+    probs = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum("bkqs,bksh->bkqh", probs.reshape(B, K, T * G, -1).astype(v.dtype), v)
+    out = out.reshape(B, K, T, G, H)
+    return out, (q, k, v, mask, probs, out)
+
+
+def _attention_bwd(res, d_out):
+    """FlashAttention's backward: dS = P ∘ (dP − rowsum(dO ∘ O)); no reduction over a [T, S] product."""
+    q, k, v, mask, probs, out = res
+    B, K, T, G, H = q.shape
+    d_out2 = d_out.reshape(B, K, T * G, H)
+    dv = jnp.einsum("bkqs,bkqh->bksh", probs.reshape(B, K, T * G, -1).astype(v.dtype), d_out2)
+    dp = jnp.einsum("bkqh,bksh->bkqs", d_out2, v).astype(jnp.float32).reshape(probs.shape)
+    row = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1, keepdims=True)  # [B,K,T,G,1]
+    ds = jnp.where(mask[:, None, :, None, :], probs * (dp - row), 0.0)
+    ds = ds.astype(q.dtype).reshape(B, K, T * G, -1)
+    dq = jnp.einsum("bkqs,bksh->bkqh", ds, k).reshape(q.shape)
+    dk = jnp.einsum("bkqs,bkqh->bksh", ds, q.reshape(B, K, T * G, H))
+    return dq, dk, dv, None
+
+
+attention_core.defvjp(_attention_fwd, _attention_bwd)
+
+
+def attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, causal: bool = False
+) -> jax.Array:
+    """Grouped-query attention: q [B, T, N, H], k/v [B, S, K, H], mask [B, T, S] -> [B, T, N, H].
+
+    `causal=True` promises that key j is query j (S == T) and that `mask` is causal: queries are then
+    processed in blocks of CAUSAL_CHUNK that only see the keys up to their block's end, which skips
+    close to half of the score matrix (CPU attention is bound by its memory traffic).
+    """
+    B, T, N, H = q.shape
+    S, K = k.shape[1], k.shape[2]
+    q = (q * jnp.asarray(H**-0.5, q.dtype)).reshape(B, T, K, N // K, H)  # [B, T, K, G, H]
+    chunk = CAUSAL_CHUNK if causal and S == T and T > CAUSAL_CHUNK else T
+    outs = []
+    for t0 in range(0, T, chunk):
+        t1 = min(t0 + chunk, T)
+        s1 = t1 if chunk < T else S  # causal: later keys are masked for this block anyway
+        q_blk = q[:, t0:t1].transpose(0, 2, 1, 3, 4)  # [B, K, C, G, H]
+        k_blk, v_blk = k[:, :s1].transpose(0, 2, 1, 3), v[:, :s1].transpose(0, 2, 1, 3)  # [B, K, s1, H]
+        out = attention_core(q_blk, k_blk, v_blk, mask[:, t0:t1, :s1])
+        outs.append(out.transpose(0, 2, 1, 3, 4))  # [B, C, K, G, H]
+    out = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
+    return out.reshape(B, T, N, H)

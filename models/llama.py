@@ -1,0 +1,350 @@
+"""Llama and Qwen3 dense decoders in Flax NNX, numerically matching transformers 5.24.
+
+Mirrors /work/shared/reference/architectures.md §2 (skeleton, RMSNorm, attention, RoPE, SwiGLU,
+tied head), §3.1–3.2 (default and llama3 RoPE) and §4 (Llama / Qwen3: QK-norm before RoPE, head_dim
+that may differ from D/N, config fields). Module attribute names mirror the HF tensor names, so
+`layers.3.self_attn.q_proj.kernel` is `model.layers.3.self_attn.q_proj.weight` transposed
+(models/hf.py).
+
+    from models import Llama, LlamaConfig
+    model = Llama(LlamaConfig.tiny(256), rngs=nnx.Rngs(0))
+    logits = model(jnp.zeros((2, 8), jnp.int32))                       # [B, T, V]
+
+Shape legend: B batch, T length, S cache length, D model, N heads, K kv heads, G = N/K,
+H head dim, F ffn, V vocab, L layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import flax.core
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models.generate import KVCache
+from models.layers import Embed, Linear, RMSNorm, apply_rope, attention, rope_cos_sin, rope_inv_freq
+
+ARCH_TO_MODEL_TYPE = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"}
+MODEL_TYPE_TO_ARCH = {v: k for k, v in ARCH_TO_MODEL_TYPE.items()}
+SUPPORTED_ROPE_TYPES = ("default", "llama3")
+DTYPE_NAMES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+# ------------------------------------------------------------------------------------------------
+# Config
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    vocab_size: int = 32000
+    hidden_size: int = 4096
+    intermediate_size: int = 11008
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 32
+    num_key_value_heads: int | None = None  # None -> num_attention_heads
+    head_dim: int | None = None  # None -> hidden_size // num_attention_heads
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: Mapping[str, Any] | None = None  # None (default RoPE) or {"rope_type": "llama3", ...}
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    bos_token_id: int | None = 1
+    eos_token_id: int | tuple[int, ...] | None = 2
+    pad_token_id: int | None = None
+    qk_norm: bool = False  # Qwen3: per-head RMSNorm on q and k before RoPE
+    architecture: str = "LlamaForCausalLM"
+
+    def __post_init__(self):
+        set_ = lambda k, v: object.__setattr__(self, k, v)
+        if self.num_key_value_heads is None:
+            set_("num_key_value_heads", self.num_attention_heads)
+        if self.head_dim is None:
+            set_("head_dim", self.hidden_size // self.num_attention_heads)
+        if self.rope_scaling is not None:  # hashable, so that the config can live in a graphdef
+            set_("rope_scaling", flax.core.FrozenDict(self.rope_scaling))
+        if isinstance(self.eos_token_id, Sequence):
+            set_("eos_token_id", tuple(int(e) for e in self.eos_token_id))
+        if self.architecture not in ARCH_TO_MODEL_TYPE:
+            known = sorted(ARCH_TO_MODEL_TYPE)
+            raise ValueError(f"unknown architecture {self.architecture!r}; known: {known}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        if self.head_dim % 2:
+            raise ValueError("head_dim must be even for rotary embeddings")
+
+    # -- presets ---------------------------------------------------------------------------------
+
+    @classmethod
+    def tiny(cls, vocab_size: int = 256, **overrides: Any) -> LlamaConfig:
+        """2 layers, D 64, 4 heads / 2 kv heads of 16: the size the unit and parity tests use."""
+        kw = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512)
+        return cls(**{**kw, **overrides})
+
+    @classmethod
+    def small(cls, vocab_size: int = 8192, **overrides: Any) -> LlamaConfig:
+        """D 512, 8 layers, 8 heads of 64, F 1376: the ~34M-parameter CPU benchmark size."""
+        kw = dict(vocab_size=vocab_size, hidden_size=512, intermediate_size=1376, num_hidden_layers=8,
+                  num_attention_heads=8, num_key_value_heads=8, head_dim=64, max_position_embeddings=2048)
+        return cls(**{**kw, **overrides})
+
+    @classmethod
+    def qwen3_tiny(cls, vocab_size: int = 256, **overrides: Any) -> LlamaConfig:
+        """Tiny Qwen3: QK-norm, head_dim 32 ≠ D/N = 16, tied embeddings, theta 1e6."""
+        kw = dict(head_dim=32, qk_norm=True, tie_word_embeddings=True, rope_theta=1e6,
+                  architecture="Qwen3ForCausalLM", bos_token_id=None, eos_token_id=None)
+        return cls.tiny(vocab_size, **{**kw, **overrides})
+
+    # -- HF config.json --------------------------------------------------------------------------
+
+    @classmethod
+    def from_hf(cls, d: Mapping[str, Any]) -> LlamaConfig:
+        """Build from a config.json dict in the transformers-5 or the legacy spelling (§2.7)."""
+        archs = d.get("architectures") or [MODEL_TYPE_TO_ARCH.get(d.get("model_type", ""), "")]
+        arch = archs[0]
+        if arch not in ARCH_TO_MODEL_TYPE:
+            raise ValueError(f"config.json: architecture {arch!r} is not a Llama/Qwen3 dense model")
+        if d.get("hidden_act", "silu") != "silu":
+            raise NotImplementedError(f"config.json: hidden_act {d['hidden_act']!r} (only silu)")
+        if d.get("use_sliding_window"):
+            raise NotImplementedError("config.json: Qwen3 use_sliding_window=true is not supported")
+        rope = dict(d.get("rope_parameters") or {})
+        legacy = dict(d.get("rope_scaling") or {})
+        theta = rope.pop("rope_theta", d.get("rope_theta", 10000.0))
+        rope = {**legacy, **rope}
+        rope_type = rope.pop("rope_type", None) or rope.pop("type", None) or "default"
+        rope.pop("type", None)
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise NotImplementedError(
+                f"config.json: rope_type {rope_type!r} (supported: {SUPPORTED_ROPE_TYPES})")
+        scaling = None if rope_type == "default" else {"rope_type": rope_type, **rope}
+        heads = d["num_attention_heads"]
+        return cls(
+            vocab_size=d["vocab_size"],
+            hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"],
+            num_hidden_layers=d["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=d.get("num_key_value_heads") or heads,
+            head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            rope_scaling=scaling,
+            max_position_embeddings=d.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            attention_bias=bool(d.get("attention_bias", False)),
+            mlp_bias=bool(d.get("mlp_bias", False)),
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_id=d.get("eos_token_id"),
+            pad_token_id=d.get("pad_token_id"),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            architecture=arch,
+        )
+
+    def to_hf(self, dtype: str = "float32") -> dict[str, Any]:
+        """A config.json dict that transformers 5 AutoConfig / AutoModelForCausalLM load."""
+        model_type = ARCH_TO_MODEL_TYPE[self.architecture]
+        if self.qk_norm != (model_type == "qwen3"):
+            raise ValueError(f"qk_norm={self.qk_norm} cannot be expressed as {self.architecture}")
+        rope = {"rope_type": "default", "rope_theta": self.rope_theta}
+        if self.rope_scaling is not None:
+            rope = {**dict(self.rope_scaling), "rope_theta": self.rope_theta}
+        eos = list(self.eos_token_id) if isinstance(self.eos_token_id, tuple) else self.eos_token_id
+        d: dict[str, Any] = {
+            "architectures": [self.architecture],
+            "model_type": model_type,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_parameters": rope,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "attention_bias": self.attention_bias,
+            "attention_dropout": 0.0,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": eos,
+            "pad_token_id": self.pad_token_id,
+            "initializer_range": 0.02,
+            "use_cache": True,
+            "dtype": dtype,
+        }
+        if model_type == "llama":
+            d["mlp_bias"] = self.mlp_bias
+            d["pretraining_tp"] = 1
+        else:
+            if self.mlp_bias:
+                raise ValueError("Qwen3 has no mlp_bias")
+            n = self.num_hidden_layers
+            d.update(use_sliding_window=False, sliding_window=None, max_window_layers=n,
+                     layer_types=["full_attention"] * n)
+        return d
+
+
+# ------------------------------------------------------------------------------------------------
+# Modules
+# ------------------------------------------------------------------------------------------------
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs, dtype: Any, param_dtype: Any):
+        D, N, K, H = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = N, K, H
+        kw = dict(use_bias=cfg.attention_bias, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.q_proj = Linear(D, N * H, axes=("embed", "heads"), **kw)
+        self.k_proj = Linear(D, K * H, axes=("embed", "kv_heads"), **kw)
+        self.v_proj = Linear(D, K * H, axes=("embed", "kv_heads"), **kw)
+        self.o_proj = Linear(N * H, D, axes=("heads", "embed"), **kw)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(H, eps=cfg.rms_norm_eps, axis_name="head_dim", param_dtype=param_dtype)
+            self.k_norm = RMSNorm(H, eps=cfg.rms_norm_eps, axis_name="head_dim", param_dtype=param_dtype)
+        else:
+            self.q_norm = self.k_norm = nnx.data(None)
+
+    def __call__(
+        self,
+        x: jax.Array,
+        cos: jax.Array,
+        sin: jax.Array,
+        mask: jax.Array,
+        cache: KVCache | None,
+        layer: int,
+        slots: jax.Array | None,
+    ) -> tuple[jax.Array, KVCache | None]:
+        B, T, _ = x.shape
+        N, K, H = self.num_heads, self.num_kv_heads, self.head_dim
+        q = self.q_proj(x).reshape(B, T, N, H)  # [B, T, N, H]
+        k = self.k_proj(x).reshape(B, T, K, H)  # [B, T, K, H]
+        v = self.v_proj(x).reshape(B, T, K, H)  # [B, T, K, H]
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:  # write this call's keys at each row's slots, attend over the whole cache
+            cache = cache.write(layer, slots, k, v)
+            k, v = cache.k[layer], cache.v[layer]  # [B, S, K, H]
+        out = attention(q, k, v, mask, causal=cache is None).reshape(B, T, N * H)  # [B, T, N*H]
+        return self.o_proj(out), cache
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs, dtype: Any, param_dtype: Any):
+        D, F = cfg.hidden_size, cfg.intermediate_size
+        kw = dict(use_bias=cfg.mlp_bias, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.gate_proj = Linear(D, F, axes=("embed", "mlp"), **kw)
+        self.up_proj = Linear(D, F, axes=("embed", "mlp"), **kw)
+        self.down_proj = Linear(F, D, axes=("mlp", "embed"), **kw)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs, dtype: Any, param_dtype: Any):
+        norm = dict(eps=cfg.rms_norm_eps, param_dtype=param_dtype)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, **norm)
+        self.self_attn = Attention(cfg, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, **norm)
+        self.mlp = MLP(cfg, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+
+    def __call__(self, x, cos, sin, mask, cache, layer, slots):
+        h, cache = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, layer, slots)
+        x = x + h
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, cache
+
+
+def segment_positions(segment_ids: jax.Array) -> jax.Array:
+    """Position of each token inside its segment: [1,1,1,2,2,0] -> [0,1,2,0,1,0]. [B, T] -> [B, T]."""
+    T = segment_ids.shape[1]
+    idx = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), segment_ids.shape)
+    prev = jnp.pad(segment_ids[:, :-1], ((0, 0), (1, 0)), constant_values=-1)
+    start = jax.lax.cummax(jnp.where(segment_ids != prev, idx, 0), axis=1)
+    return idx - start
+
+
+class Llama(nnx.Module):
+    """Pre-norm decoder: embed -> L × (attn + SwiGLU) -> RMSNorm -> LM head (tied or not)."""
+
+    def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs, dtype: Any = jnp.float32,
+                 param_dtype: Any = jnp.float32):
+        self.config = config
+        self.dtype, self.param_dtype = dtype, param_dtype
+        kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.embed_tokens = Embed(config.vocab_size, config.hidden_size, **kw)
+        self.layers = nnx.List([DecoderLayer(config, **kw) for _ in range(config.num_hidden_layers)])
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, param_dtype=param_dtype)
+        if config.tie_word_embeddings:
+            self.lm_head = nnx.data(None)
+        else:
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, axes=("embed", "vocab"), **kw)
+
+    def __call__(
+        self,
+        input_ids: jax.Array,
+        *,
+        positions: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
+        cache: KVCache | None = None,
+        return_hidden: tuple[int, ...] = (),
+    ):
+        """input_ids [B, T] -> logits [B, T, V] (+ new cache if `cache`) (+ hidden list if `return_hidden`).
+
+        Without a cache, `segment_ids` [B, T] packs sequences: tokens attend causally within equal
+        nonzero ids (0 = padding) and default positions restart at every segment. With a cache, the
+        T tokens are written at slots length..length+T-1 of each row, `segment_ids != 0` marks which
+        of them are valid keys, default positions are the slots, and the new cache has length + T.
+        `return_hidden` indices: i in [0, L) = output of decoder layer i; -1 or L = final normed hidden.
+        """
+        cfg = self.config
+        B, T = input_ids.shape
+        L = cfg.num_hidden_layers
+        wanted = {L if i == -1 else i for i in return_hidden}
+        if any(not 0 <= i <= L for i in wanted):
+            raise ValueError(f"return_hidden {return_hidden}: indices must be in [0, {L}] or -1")
+        valid = (jnp.ones((B, T), bool) if segment_ids is None else segment_ids != 0)
+
+        if cache is None:
+            seg = jnp.ones((B, T), jnp.int32) if segment_ids is None else segment_ids
+            if positions is None:
+                positions = segment_positions(seg)
+            causal = jnp.tril(jnp.ones((T, T), bool))
+            mask = causal[None] & (seg[:, :, None] == seg[:, None, :]) & valid[:, :, None]  # [B, T, T]
+            slots = None
+        else:
+            slots = cache.length[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]  # [B, T]
+            if positions is None:
+                positions = slots
+            cache = cache.advance(slots, valid)
+            keys = jnp.arange(cache.max_len, dtype=jnp.int32)
+            mask = cache.valid[:, None, :] & (keys[None, None, :] <= slots[:, :, None])  # [B, T, S]
+
+        inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        cos, sin = rope_cos_sin(positions, inv_freq, self.dtype)  # [B, T, H], once for all layers
+        x = self.embed_tokens(input_ids)  # [B, T, D]
+        hidden: dict[int, jax.Array] = {}
+        for i, layer in enumerate(self.layers):
+            x, cache = layer(x, cos, sin, mask, cache, i, slots)
+            if i in wanted:
+                hidden[i] = x
+        x = self.norm(x)
+        hidden[L] = x
+        logits = self.embed_tokens.attend(x) if self.lm_head is None else self.lm_head(x)  # [B, T, V]
+
+        out: tuple = (logits,)
+        if cache is not None:
+            out += (cache,)
+        if return_hidden:
+            out += ([hidden[L if i == -1 else i] for i in return_hidden],)
+        return out[0] if len(out) == 1 else out

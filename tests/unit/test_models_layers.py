@@ -1,0 +1,68 @@
+"""Layer-level checks: the custom-VJP, causally blocked attention against a plain autodiff reference,
+and RoPE frequencies (architectures.md §3.1–3.2)."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from models import layers
+from models.layers import attention, rope_inv_freq
+
+pytestmark = pytest.mark.unit
+jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def reference_attention(q, k, v, mask):
+    """Textbook GQA: repeat kv heads, masked fp32 softmax, plain autodiff."""
+    N, K, H = q.shape[2], k.shape[2], q.shape[3]
+    k, v = jnp.repeat(k, N // K, axis=2), jnp.repeat(v, N // K, axis=2)
+    s = jnp.einsum("btnh,bsnh->bnts", q, k) / math.sqrt(H)
+    s = jnp.where(mask[:, None], s, -1e30)
+    return jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(s, axis=-1), v)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_values_and_gradients(monkeypatch, causal):
+    monkeypatch.setattr(layers, "CAUSAL_CHUNK", 16)  # several blocks, one of them ragged
+    B, T, N, K, H = 2, 45, 4, 2, 8
+    keys = jax.random.split(jax.random.PRNGKey(0), 4)
+    q, w = (jax.random.normal(kk, (B, T, N, H)) for kk in keys[:2])
+    k, v = (jax.random.normal(kk, (B, T, K, H)) for kk in keys[2:])
+    seg = np.ones((B, T), np.int32)
+    seg[0, 20:] = 2  # two packed sequences in row 0
+    seg[1, :5] = 0  # left padding in row 1
+    seg = jnp.asarray(seg)
+    same = (seg[:, :, None] == seg[:, None, :]) & (seg[:, :, None] > 0)
+    mask = jnp.tril(jnp.ones((T, T), bool))[None] & same
+    real = (seg > 0)[:, :, None, None]  # padding queries' outputs are don't-care
+
+    def loss(fn):
+        return lambda q, k, v: jnp.sum(fn(q, k, v) * w * real)
+
+    ours = lambda q, k, v: attention(q, k, v, mask, causal=causal)
+    ref = lambda q, k, v: reference_attention(q, k, v, mask)
+    np.testing.assert_allclose(np.asarray(ours(q, k, v) * real), np.asarray(ref(q, k, v) * real), atol=2e-6)
+    g_ours = jax.grad(loss(ours), argnums=(0, 1, 2))(q, k, v)
+    g_ref = jax.grad(loss(ref), argnums=(0, 1, 2))(q, k, v)
+    for a, b in zip(g_ours, g_ref, strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+    assert np.all(np.isfinite(np.asarray(attention(q, k, v, mask, causal=causal))))
+
+
+def test_rope_inv_freq_default_and_llama3():
+    default = rope_inv_freq(8, 10000.0)
+    np.testing.assert_allclose(default, 10000.0 ** (-np.arange(0, 8, 2) / 8), rtol=1e-6)
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+    inv = rope_inv_freq(128, 500000.0, scaling)
+    base = rope_inv_freq(128, 500000.0)
+    wavelen = 2 * math.pi / base
+    assert np.allclose(inv[wavelen < 8192 / 4], base[wavelen < 8192 / 4])  # high frequencies kept
+    assert np.allclose(inv[wavelen > 8192], base[wavelen > 8192] / 8)  # low frequencies scaled
+    mid = (wavelen >= 2048) & (wavelen <= 8192)
+    assert mid.any() and np.all(inv[mid] <= base[mid]) and np.all(inv[mid] >= base[mid] / 8)
