@@ -1,0 +1,45 @@
+"""The README's first command, for real: `forgeline release` on the built-in default recipe, in a
+fresh store, then again (every stage skipped). Heavy (~10 minutes on 2 cores): `pytest -m slow`."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+import storage
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
+def _release(store: str, tmp_path) -> tuple[subprocess.CompletedProcess, float]:
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "FORGELINE_WORKDIR": str(tmp_path / "work")}
+    t = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "flows.cli", "release", "--store", store], env=env,
+                          capture_output=True, text=True, timeout=1800)
+    return done, time.perf_counter() - t
+
+
+def test_default_release_meets_its_targets(tmp_path):
+    store = f"file://{tmp_path}/artifacts"
+    done, first = _release(store, tmp_path)
+    assert done.returncode == 0, done.stderr[-4000:]
+    url = done.stdout.strip().splitlines()[-1]
+    assert url.startswith(store + "/export/")
+    report = json.loads(storage.read_bytes(storage.join(url, "eval/report.json")))
+    ppl = report["perplexity"]
+    assert ppl["finetuned"] < 0.9 * ppl["base"], ppl  # clearly below, not by noise
+    assert ppl["int8"] <= 1.01 * ppl["finetuned"], ppl
+    draft = report["draft"]
+    assert draft["lossless"] and draft["acceptance_length"] > 1.2 and draft["speedup"] > 0
+    assert report["passed"]
+    print(f"\nfirst run {first:.0f}s; report: {json.dumps(report, indent=1)}")
+
+    again, second = _release(store, tmp_path)
+    assert again.returncode == 0 and again.stdout.strip().splitlines()[-1] == url
+    assert again.stderr.count("skipped (committed)") == 9 and " ran " not in again.stderr
+    assert second < 60, second
