@@ -2,7 +2,9 @@
 
     from models import from_pretrained, save_pretrained, generate
     model = from_pretrained("ckpt/")             # architecture chosen by config.json (registry.py)
-    logits = model(input_ids)                    # [B, T, V]
+    logits = model(input_ids)                    # [B, T, V]; jit it with jit_forward(model) or nnx.split
+
+Tests: `pytest tests/unit/test_models*.py tests/parity` (parity needs transformers, peft, compressed-tensors).
 """
 
 from models.generate import GenerateOutput, KVCache, generate, jit_forward

@@ -33,14 +33,14 @@ from flax import nnx
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
-    k: jax.Array  # [L, B, S, K, H]
-    v: jax.Array  # [L, B, S, K, H]
+    k: jax.Array  # [L, B, K, S, H] (head-major: attention reads a layer's slice without a transpose)
+    v: jax.Array  # [L, B, K, S, H]
     valid: jax.Array  # [B, S] bool: slot holds a real (non-padding) token
     length: jax.Array  # [B] int32: next slot to write per row
 
     @classmethod
     def init(cls, config: Any, batch: int, max_len: int, dtype: Any = jnp.float32) -> KVCache:
-        shape = (config.num_hidden_layers, batch, max_len, config.num_key_value_heads, config.head_dim)
+        shape = (config.num_hidden_layers, batch, config.num_key_value_heads, max_len, config.head_dim)
         return cls(
             k=jnp.zeros(shape, dtype),
             v=jnp.zeros(shape, dtype),
@@ -50,7 +50,7 @@ class KVCache:
 
     @property
     def max_len(self) -> int:
-        return self.k.shape[2]
+        return self.k.shape[3]
 
     def advance(self, slots: jax.Array, valid: jax.Array) -> KVCache:
         """Mark slots [B, T] as holding this call's tokens (valid [B, T]) and move length past them."""
@@ -61,10 +61,11 @@ class KVCache:
     def write(self, layer: int, slots: jax.Array, k: jax.Array, v: jax.Array) -> KVCache:
         """Store k, v [B, T, K, H] of one layer at slots [B, T]."""
         rows = jnp.arange(slots.shape[0])[:, None]
+        # advanced indices around a slice: the update is laid out [B, T, K, H], like k and v
         return dataclasses.replace(
             self,
-            k=self.k.at[layer, rows, slots].set(k.astype(self.k.dtype), mode="drop"),
-            v=self.v.at[layer, rows, slots].set(v.astype(self.v.dtype), mode="drop"),
+            k=self.k.at[layer, rows, :, slots].set(k.astype(self.k.dtype), mode="drop"),
+            v=self.v.at[layer, rows, :, slots].set(v.astype(self.v.dtype), mode="drop"),
         )
 
     def rollback(self, length: jax.Array) -> KVCache:

@@ -229,14 +229,15 @@ attention_core.defvjp(_attention_fwd, _attention_bwd)
 def attention(
     q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, causal: bool = False
 ) -> jax.Array:
-    """Grouped-query attention: q [B, T, N, H], k/v [B, S, K, H], mask [B, T, S] -> [B, T, N, H].
+    """Grouped-query attention: q [B, T, N, H], k/v [B, K, S, H] (head-major, the KV-cache layout),
+    mask [B, T, S] -> [B, T, N, H].
 
     `causal=True` promises that key j is query j (S == T) and that `mask` is causal: queries are then
     processed in blocks of CAUSAL_CHUNK that only see the keys up to their block's end, which skips
     close to half of the score matrix (CPU attention is bound by its memory traffic).
     """
     B, T, N, H = q.shape
-    S, K = k.shape[1], k.shape[2]
+    K, S = k.shape[1], k.shape[2]
     q = (q * jnp.asarray(H**-0.5, q.dtype)).reshape(B, T, K, N // K, H)  # [B, T, K, G, H]
     chunk = CAUSAL_CHUNK if causal and S == T and T > CAUSAL_CHUNK else T
     outs = []
@@ -244,8 +245,7 @@ def attention(
         t1 = min(t0 + chunk, T)
         s1 = t1 if chunk < T else S  # causal: later keys are masked for this block anyway
         q_blk = q[:, t0:t1].transpose(0, 2, 1, 3, 4)  # [B, K, C, G, H]
-        k_blk, v_blk = k[:, :s1].transpose(0, 2, 1, 3), v[:, :s1].transpose(0, 2, 1, 3)  # [B, K, s1, H]
-        out = attention_core(q_blk, k_blk, v_blk, mask[:, t0:t1, :s1])
+        out = attention_core(q_blk, k[:, :, :s1], v[:, :, :s1], mask[:, t0:t1, :s1])
         outs.append(out.transpose(0, 2, 1, 3, 4))  # [B, C, K, G, H]
     out = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
     return out.reshape(B, T, N, H)

@@ -31,7 +31,6 @@ from models.layers import Embed, Linear, RMSNorm, apply_rope, attention, rope_co
 ARCH_TO_MODEL_TYPE = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"}
 MODEL_TYPE_TO_ARCH = {v: k for k, v in ARCH_TO_MODEL_TYPE.items()}
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
-DTYPE_NAMES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -233,7 +232,9 @@ class Attention(nnx.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is not None:  # write this call's keys at each row's slots, attend over the whole cache
             cache = cache.write(layer, slots, k, v)
-            k, v = cache.k[layer], cache.v[layer]  # [B, S, K, H]
+            k, v = cache.k[layer], cache.v[layer]  # [B, K, S, H]
+        else:
+            k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, T, H]
         out = attention(q, k, v, mask, causal=cache is None).reshape(B, T, N * H)  # [B, T, N*H]
         return self.o_proj(out), cache
 
@@ -313,7 +314,7 @@ class Llama(nnx.Module):
         wanted = {L if i == -1 else i for i in return_hidden}
         if any(not 0 <= i <= L for i in wanted):
             raise ValueError(f"return_hidden {return_hidden}: indices must be in [0, {L}] or -1")
-        valid = (jnp.ones((B, T), bool) if segment_ids is None else segment_ids != 0)
+        valid = jnp.ones((B, T), bool) if segment_ids is None else segment_ids != 0
 
         if cache is None:
             seg = jnp.ones((B, T), jnp.int32) if segment_ids is None else segment_ids

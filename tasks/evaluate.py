@@ -225,12 +225,16 @@ def evaluate(cfg: EvalConfig, *, base: Path | None, finetuned: Path, quantized: 
     if base is not None:
         report["perplexity"]["base"] = perplexity(models.from_pretrained(str(base)), batches)
     report["perplexity"]["finetuned"] = perplexity(target, batches)
-    float_bytes = weight_bytes(target)
+    float_linear, float_all = weight_bytes(target, linears_only=True), weight_bytes(target)
     for scheme, qdir in quantized.items():
         qmodel = models.from_pretrained(str(qdir))
         report["perplexity"][scheme] = perplexity(qmodel, batches)
-        report["quantization"][scheme] = {**agreement(target, qmodel, batches),
-                                          "weight_bytes_ratio": weight_bytes(qmodel) / float_bytes}
+        report["quantization"][scheme] = {
+            **agreement(target, qmodel, batches),
+            # the quantized decoder linears vs their float32 bytes, and the whole checkpoint's ratio
+            "weight_bytes_ratio": weight_bytes(qmodel, linears_only=True) / float_linear,
+            "model_bytes_ratio": weight_bytes(qmodel) / float_all,
+        }
     if draft is not None:
         eos = json.loads((finetuned / "config.json").read_text()).get("eos_token_id")
         report["draft"] = speculative(target, models.from_pretrained(str(draft)), spec_prompts(data_dir, cfg),
