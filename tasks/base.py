@@ -10,7 +10,6 @@ recipe pretrains a small Llama on the Python standard library's source).
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 from pathlib import Path
@@ -23,10 +22,11 @@ from tokenizers import Tokenizer
 
 import models
 import storage
+from tasks.cli import OPTIONAL_PATH, stage_main
 from tasks.data_prep import DataPrepConfig
 from tasks.finetune import save_model_dir
 from tasks.stage import StageContext, work_root
-from tasks.train import Checkpoints, Progress, Trainer, TrainConfig, fit
+from tasks.train import Checkpoints, Progress, TrainConfig, Trainer, fit
 
 log = logging.getLogger("forgeline.base")
 
@@ -111,24 +111,16 @@ def compute(cfg: BaseConfig, progress: Progress | None = None):
 
 
 def main(argv: list[str] | None = None) -> None:
-    from tasks.recipe import apply_overrides
-
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--data", type=Path, help="data_prep output to pretrain on")
-    p.add_argument("--url", help="import this HF checkpoint instead of pretraining")
-    p.add_argument("--out", required=True, type=Path)
-    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE")
-    a = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", force=True)
-    cfg = apply_overrides(BaseConfig(url=a.url), a.set)
-    if cfg.url:
-        stats = import_checkpoint(cfg.url, a.out)
-    else:
+    def run(cfg: BaseConfig, a) -> dict[str, Any]:
+        url = a.url or cfg.url
+        if url:
+            return import_checkpoint(url, a.out)
         if a.data is None:
-            p.error("--data is required to pretrain")
-        stats = pretrain(cfg, a.data, a.out)
-    print(json.dumps(stats, indent=1))
+            raise ValueError("--data: required to pretrain (or pass --url to import a checkpoint)")
+        return pretrain(cfg, a.data, a.out)
 
+    stage_main(__doc__, BaseConfig, {"--data": OPTIONAL_PATH, "--url": {"help": "import this HF checkpoint"}},
+               run, argv)
 
 if __name__ == "__main__":
     main()

@@ -13,7 +13,6 @@ Output: `draft/` (HF layout) with `draft_config.json` naming the target and the 
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import tempfile
@@ -26,9 +25,10 @@ from pydantic import BaseModel, ConfigDict, Field
 from safetensors.numpy import load_file, save_file
 
 import models
+from tasks.cli import PATH, stage_main
 from tasks.finetune import model_dir, save_model_dir
 from tasks.stage import StageContext
-from tasks.train import Progress, Trainer, TrainConfig, fit
+from tasks.train import Progress, TrainConfig, Trainer, fit
 
 log = logging.getLogger("forgeline.draft")
 
@@ -92,18 +92,8 @@ def compute(cfg: DraftConfig, progress: Progress | None = None, init_input: str 
 
 
 def main(argv: list[str] | None = None) -> None:
-    from tasks.recipe import apply_overrides
-
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--target", required=True, type=Path)
-    p.add_argument("--traces", required=True, type=Path)
-    p.add_argument("--out", required=True, type=Path)
-    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE")
-    a = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", force=True)
-    cfg = apply_overrides(DraftConfig(), a.set)
-    print(json.dumps(train_draft(cfg, model_dir(a.target), a.traces, a.out), indent=1))
-
+    stage_main(__doc__, DraftConfig, {"--target": PATH, "--traces": PATH},
+               lambda cfg, a: train_draft(cfg, model_dir(a.target), a.traces, a.out), argv)
 
 if __name__ == "__main__":
     main()

@@ -17,7 +17,6 @@ publish a release whose gates failed.
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import math
@@ -37,6 +36,7 @@ import models
 from models.generate import generate
 from models.quant import weight_bytes
 from models.speculative import speculative_generate
+from tasks.cli import OPTIONAL_PATH, PATH, stage_main
 from tasks.finetune import model_dir
 from tasks.stage import StageContext
 from tasks.train import PackedBatches
@@ -265,24 +265,15 @@ def compute(cfg: EvalConfig):
 
 
 def main(argv: list[str] | None = None) -> None:
-    from tasks.recipe import apply_overrides
+    def run(cfg: EvalConfig, a) -> dict[str, Any]:
+        quantized = {s.split("=", 1)[0]: Path(s.split("=", 1)[1]) for s in a.quantized}
+        return evaluate(cfg, base=a.base and model_dir(a.base), finetuned=model_dir(a.finetuned), quantized=quantized,
+                        draft=a.draft and model_dir(a.draft), data_dir=a.data, out_dir=a.out)
 
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--base", type=Path)
-    p.add_argument("--finetuned", required=True, type=Path)
-    p.add_argument("--quantized", nargs="*", default=[], metavar="SCHEME=DIR")
-    p.add_argument("--draft", type=Path)
-    p.add_argument("--data", required=True, type=Path)
-    p.add_argument("--out", required=True, type=Path)
-    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE")
-    a = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", force=True)
-    cfg = apply_overrides(EvalConfig(), a.set)
-    quantized = dict((s.split("=", 1)[0], Path(s.split("=", 1)[1])) for s in a.quantized)
-    print(json.dumps(evaluate(cfg, base=a.base and model_dir(a.base), finetuned=model_dir(a.finetuned),
-                              quantized=quantized, draft=a.draft and model_dir(a.draft), data_dir=a.data,
-                              out_dir=a.out), indent=1))
-
+    stage_main(__doc__, EvalConfig, {
+        "--base": OPTIONAL_PATH, "--finetuned": PATH, "--draft": OPTIONAL_PATH, "--data": PATH,
+        "--quantized": {"nargs": "*", "default": [], "metavar": "SCHEME=DIR"},
+    }, run, argv)
 
 if __name__ == "__main__":
     main()

@@ -61,7 +61,8 @@ def model_card(cfg: ExportConfig, report_md: str, lineage: dict[str, Any], has_a
     lines += ["| `eval/` | report.json, report.md |", "| `lineage.json` | what produced every file |", ""]
     lines += [report_md.replace("# Evaluation report", "## Evaluation").strip(), "",
               "## Lineage", "", f"- git SHA: `{lineage['git_sha']}`", f"- code version: `{lineage['code_version']}`"]
-    lines += [f"- {k}: `{v['fingerprint']}` (manifest sha256 `{v['digest'][:16]}…`)" for k, v in lineage["stages"].items()]
+    lines += [f"- {k}: `{v['fingerprint']}` (manifest sha256 `{v['digest'][:16]}…`)"
+              for k, v in lineage["stages"].items()]
     return "\n".join(lines) + "\n"
 
 
@@ -70,7 +71,8 @@ def export(cfg: ExportConfig, ctx: StageContext) -> dict[str, Any]:
     report = json.loads((inp["evaluate"] / "report.json").read_text())
     failed = [g["gate"] for g in report["gates"] if not g["passed"]]
     if failed and cfg.enforce_gates:
-        raise GateError(f"release {cfg.name}: eval gates failed: {'; '.join(failed)} (see {ctx.refs['evaluate'].url})")
+        where = ctx.refs["evaluate"].url
+        raise GateError(f"release {cfg.name}: eval gates failed: {'; '.join(failed)} (see {where})")
     _copytree(inp["finetune"] / "model", out / "model")
     has_adapter = (inp["finetune"] / "adapter").exists()
     if has_adapter:

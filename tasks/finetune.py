@@ -10,8 +10,6 @@ checkpoint under `<store>/checkpoints/finetune/<fingerprint>/` after a crash or 
 
 from __future__ import annotations
 
-import argparse
-import json
 import logging
 import shutil
 from pathlib import Path
@@ -23,10 +21,11 @@ from flax import nnx
 from pydantic import BaseModel, ConfigDict, Field
 
 import models
-from storage import Store
 from models import lora
+from storage import Store
+from tasks.cli import OPTIONAL_PATH, PATH, stage_main
 from tasks.stage import StageContext, work_root
-from tasks.train import Checkpoints, Progress, Trainer, TrainConfig, fit
+from tasks.train import Checkpoints, Progress, TrainConfig, Trainer, fit
 
 log = logging.getLogger("forgeline.finetune")
 
@@ -94,31 +93,28 @@ def compute(cfg: FinetuneConfig, progress: Progress | None = None):
 
 
 def model_dir(artifact_dir: Path) -> Path:
-    """An artifact holding a checkpoint keeps it in `model/`; a bare HF folder is the checkpoint."""
-    return artifact_dir / "model" if (artifact_dir / "model" / "config.json").exists() else artifact_dir
+    """The HF checkpoint in an artifact (`model/`, or `draft/` for a draft artifact) or a bare HF folder."""
+    for sub in ("model", "draft"):
+        if (artifact_dir / sub / "config.json").exists():
+            return artifact_dir / sub
+    return artifact_dir
 
 
 def main(argv: list[str] | None = None) -> None:
-    from tasks.recipe import apply_overrides
+    def run(cfg: FinetuneConfig, a) -> dict[str, Any]:
+        store = Store(a.store) if a.store else None
+        ckpt = Checkpoints(a.checkpoints, store, "finetune/cli") if a.checkpoints else None
+        try:
+            return finetune(cfg, model_dir(a.base), a.data, a.out, checkpoints=ckpt)
+        finally:
+            if ckpt:
+                ckpt.close()
 
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--base", required=True, type=Path)
-    p.add_argument("--data", required=True, type=Path)
-    p.add_argument("--out", required=True, type=Path)
-    p.add_argument("--checkpoints", type=Path, help="local checkpoint folder (enables resume)")
-    p.add_argument("--store", help="also upload checkpoints to this store URL and resume from there")
-    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE")
-    a = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", force=True)
-    cfg = apply_overrides(FinetuneConfig(), a.set)
-    store = Store(a.store) if a.store else None
-    ckpt = Checkpoints(a.checkpoints, store, "finetune/cli") if a.checkpoints else None
-    try:
-        print(json.dumps(finetune(cfg, model_dir(a.base), a.data, a.out, checkpoints=ckpt), indent=1))
-    finally:
-        if ckpt:
-            ckpt.close()
-
+    stage_main(__doc__, FinetuneConfig, {
+        "--base": PATH, "--data": PATH,
+        "--checkpoints": {**OPTIONAL_PATH, "help": "local checkpoint folder (enables resume)"},
+        "--store": {"help": "also upload checkpoints to this store URL and resume from there"},
+    }, run, argv)
 
 if __name__ == "__main__":
     main()

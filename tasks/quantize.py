@@ -13,8 +13,6 @@ Issue #6 adds GPTQ/AWQ int4 and FP8 block formats behind the same stage.
 
 from __future__ import annotations
 
-import argparse
-import json
 import logging
 import shutil
 from pathlib import Path
@@ -24,6 +22,7 @@ from pydantic import BaseModel, ConfigDict
 
 import models
 from models import quant
+from tasks.cli import PATH, stage_main
 from tasks.finetune import model_dir
 from tasks.stage import StageContext
 
@@ -50,7 +49,8 @@ def quantize(cfg: QuantizeConfig, model_path: Path, out_dir: Path) -> dict[str, 
             if (model_path / name).exists():
                 shutil.copyfile(model_path / name, dest / name)
         stats[scheme] = {"weight_bytes": quant.weight_bytes(qmodel), "float_weight_bytes": float_bytes}
-        log.info("quantize: %s weights %.2f MB -> %.2f MB", scheme, float_bytes / 1e6, stats[scheme]["weight_bytes"] / 1e6)
+        log.info("quantize: %s weights %.2f MB -> %.2f MB", scheme, float_bytes / 1e6,
+                 stats[scheme]["weight_bytes"] / 1e6)
     return stats
 
 
@@ -62,17 +62,8 @@ def compute(cfg: QuantizeConfig):
 
 
 def main(argv: list[str] | None = None) -> None:
-    from tasks.recipe import apply_overrides
-
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", required=True, type=Path)
-    p.add_argument("--out", required=True, type=Path)
-    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE")
-    a = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", force=True)
-    cfg = apply_overrides(QuantizeConfig(), a.set)
-    print(json.dumps(quantize(cfg, model_dir(a.model), a.out), indent=1))
-
+    stage_main(__doc__, QuantizeConfig, {"--model": PATH},
+               lambda cfg, a: quantize(cfg, model_dir(a.model), a.out), argv)
 
 if __name__ == "__main__":
     main()

@@ -13,7 +13,6 @@ Generation is batched (left padding) with the KV cache, in length-sorted buckets
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import shutil
@@ -31,6 +30,7 @@ from tokenizers import Tokenizer
 
 import models
 from models.generate import generate
+from tasks.cli import PATH, stage_main
 from tasks.finetune import model_dir
 from tasks.stage import StageContext
 from tasks.train import COLUMNS
@@ -174,7 +174,8 @@ def traces(cfg: TracesConfig, model_path: Path, data_dir: Path, out_dir: Path) -
         stats[f"{split}_rows"] = write_rows(rows, out_dir / f"{split}-00000.parquet")
         stats[f"{split}_prompts"] = len(prompts)
         samples += [{"split": split, "prompt": tok.decode(p, skip_special_tokens=False),
-                     "answer": tok.decode(a, skip_special_tokens=False)} for p, a in zip(prompts[:4], answers[:4])]
+                     "answer": tok.decode(a, skip_special_tokens=False)}
+                    for p, a in zip(prompts[:4], answers[:4], strict=True)]
     seconds = time.perf_counter() - t0
     with open(out_dir / "samples.jsonl", "w") as f:
         for s in samples:
@@ -192,18 +193,8 @@ def compute(cfg: TracesConfig):
 
 
 def main(argv: list[str] | None = None) -> None:
-    from tasks.recipe import apply_overrides
-
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", required=True, type=Path)
-    p.add_argument("--data", required=True, type=Path)
-    p.add_argument("--out", required=True, type=Path)
-    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE")
-    a = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", force=True)
-    cfg = apply_overrides(TracesConfig(), a.set)
-    print(json.dumps(traces(cfg, model_dir(a.model), a.data, a.out), indent=1))
-
+    stage_main(__doc__, TracesConfig, {"--model": PATH, "--data": PATH},
+               lambda cfg, a: traces(cfg, model_dir(a.model), a.data, a.out), argv)
 
 if __name__ == "__main__":
     main()
