@@ -26,7 +26,7 @@ import numpy as np
 from flax import nnx
 
 import models
-from tasks.train import Trainer, TrainConfig
+from tasks.train import TrainConfig, Trainer
 
 
 def _best(fn: Callable[[], object], repeats: int) -> float:

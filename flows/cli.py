@@ -55,8 +55,8 @@ def _preflight(recipe: str, overrides: list[str]):
     return cfg
 
 
-SHOWN = ("valid_loss_before", "valid_loss_after", "tokens_per_s", "train_rows", "generated_tokens",
-         "acceptance_length", "params")
+SHOWN = ("tokens.train", "rows.train", "params", "valid_loss_before", "valid_loss_after", "tokens_per_s",
+         "generated_tokens", "acceptance_length", "passed")
 
 
 def _console_progress():
@@ -70,7 +70,8 @@ def _console_progress():
 
     def on_stage(e: StageEvent) -> None:
         status = "ran" if e.ran else "skipped (committed)"
-        m = e.ref.metadata
+        m = {f"{k}.{k2}" if isinstance(v, dict) else k: v2 for k, v in e.ref.metadata.items()
+             for k2, v2 in (v.items() if isinstance(v, dict) else [(None, v)])}
         shown = ", ".join(f"{k}={m[k]:.4g}" for k in SHOWN if isinstance(m.get(k), int | float))
         console.print(f"[bold]{escape(e.name):<18}[/] {status:<20} {e.seconds:7.1f}s  {shown}", highlight=False)
         rows.append((e.name, status, f"{e.seconds:.1f}", e.ref.fingerprint, e.ref.url))

@@ -54,7 +54,7 @@ class BaseConfig(BaseModel):
     url: str | None = None  # an HF checkpoint folder; None -> pretrain `model` on `data`
     data: DataPrepConfig = DataPrepConfig(corpus="builtin://python-stdlib")
     model: ModelShape = ModelShape()
-    train: TrainConfig = TrainConfig(steps=200, batch_size=16, learning_rate=3e-3, warmup_steps=20,
+    train: TrainConfig = TrainConfig(steps=400, batch_size=16, learning_rate=3e-3, warmup_steps=20,
                                      checkpoint_every=50)
 
 

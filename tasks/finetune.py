@@ -39,7 +39,7 @@ class FinetuneConfig(BaseModel):
     lora_rank: int = Field(16, ge=1)
     lora_alpha: float = Field(32.0, gt=0)
     lora_targets: tuple[str, ...] = ALL_LINEAR
-    train: TrainConfig = TrainConfig(steps=100, learning_rate=2e-3, warmup_steps=10, checkpoint_every=25)
+    train: TrainConfig = TrainConfig(steps=150, learning_rate=2e-3, warmup_steps=10, checkpoint_every=50)
 
 
 def save_model_dir(model: nnx.Module, out: Path, tokenizer_dir: Path) -> None:

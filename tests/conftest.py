@@ -74,8 +74,9 @@ def tiny_base(tmp_path_factory):
     data_prep.run_local(data_prep.DataPrepConfig(corpus="builtin://python-stdlib", max_documents=40,
                                                  vocab_size=512), tok)
     data = root / "data"
-    data_prep.run_local(data_prep.DataPrepConfig(corpus="builtin://python-stdlib-functions", max_documents=300,
-                                                 seq_len=128, valid_fraction=0.3), data, tokenizer_json=tok / "tokenizer.json")
+    pairs = data_prep.DataPrepConfig(corpus="builtin://python-stdlib-functions", max_documents=300, seq_len=128,
+                                     valid_fraction=0.3)
+    data_prep.run_local(pairs, data, tokenizer_json=tok / "tokenizer.json")
     special = json.loads((data / "special_tokens.json").read_text())
     cfg = models.LlamaConfig.tiny(vocab_size=512, bos_token_id=special["bos"], eos_token_id=special["eos"],
                                   pad_token_id=special["pad"])

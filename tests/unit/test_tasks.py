@@ -14,7 +14,7 @@ from tasks.evaluate import Gates, gates
 from tasks.recipe import ConfigError, apply_overrides, load_recipe, parse_overrides
 from tasks.stage import run_stage
 from tasks.traces import pack
-from tasks.train import PackedBatches, Trainer, TrainConfig, fit
+from tasks.train import PackedBatches, TrainConfig, Trainer, fit
 
 pytestmark = pytest.mark.unit
 
