@@ -31,6 +31,29 @@ Store = Annotated[str, typer.Option("--store", "-s", help="artifact store URL: f
 Sets = Annotated[list[str] | None, typer.Option("--set", help="override a recipe key: section.key=value")]
 
 
+class _Stderr(logging.StreamHandler):
+    """Writes to whatever sys.stderr is at the time (test runners swap it), not the one at setup."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value) -> None:
+        pass
+
+
+def _log_to_stderr() -> None:
+    """Our stage logs (training progress, skips) on stderr; Prefect keeps its own logging config."""
+    log = logging.getLogger("forgeline")
+    if not any(isinstance(h, _Stderr) for h in log.handlers):
+        handler = _Stderr()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(message)s"))
+        log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False
+
+
 def _fail(message: str, code: int = 1) -> None:
     typer.echo(f"error: {message}", err=True)
     raise typer.Exit(code)
@@ -109,9 +132,7 @@ def _run(fn, **kwargs):
 def release(recipe: Recipe = "tiny", store: Store = "file://./artifacts", set_: Sets = None) -> None:
     """Run the release flow and print the bundle URL as the last line."""
     _preflight(recipe, set_ or [])
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr, force=True)
-    for name in ("jax", "absl", "orbax", "httpx"):
-        logging.getLogger(name).setLevel(logging.WARNING)
+    _log_to_stderr()
     from flows.release import release as release_flow
 
     console, rows = _console_progress()
@@ -128,7 +149,7 @@ def release(recipe: Recipe = "tiny", store: Store = "file://./artifacts", set_: 
 def draft_refresh(recipe: Recipe = "tiny", store: Store = "file://./artifacts", set_: Sets = None) -> None:
     """Retrain the draft on fresh prompts; promote it only if acceptance does not drop."""
     _preflight(recipe, set_ or [])
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr, force=True)
+    _log_to_stderr()
     from flows.draft_refresh import draft_refresh as refresh_flow
 
     console, rows = _console_progress()
