@@ -1,14 +1,19 @@
-"""Bad input: one clear line naming the field or file, a non-zero exit, and no committed artifact."""
+"""Bad input: one clear line naming the field or file, a non-zero exit, and no committed artifact.
+
+The CLI runs as a real subprocess (exit code and stderr as a user sees them), pointed at the
+session's Prefect test server when a flow has to start. (An in-process CliRunner swaps sys.stderr,
+and Prefect re-binds its logging handlers to the swapped stream when a flow starts.)"""
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from typer.testing import CliRunner
 
-from flows.cli import app
 from tests.conftest import TINY_RELEASE
 
 pytestmark = pytest.mark.integration
@@ -18,11 +23,24 @@ def _manifests(root: Path) -> list[Path]:
     return list(root.rglob("manifest.json")) if root.exists() else []
 
 
-def _release(store: Path, *sets: str):
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    try:  # inside the prefect_harness fixture: use its server instead of starting an ephemeral one
+        from prefect.settings import PREFECT_API_URL
+
+        if PREFECT_API_URL.value():
+            env["PREFECT_API_URL"] = PREFECT_API_URL.value()
+    except ImportError:
+        pass
+    return subprocess.run([sys.executable, "-m", "flows.cli", *args], env=env, capture_output=True, text=True,
+                          timeout=600)
+
+
+def _release(store: Path, *sets: str) -> subprocess.CompletedProcess:
     args = ["release", "--store", f"file://{store}"]
     for s in (*TINY_RELEASE, *sets):
         args += ["--set", s]
-    return CliRunner().invoke(app, args)
+    return _cli(*args)
 
 
 def _error_line(result) -> str:
@@ -33,26 +51,26 @@ def _error_line(result) -> str:
 
 def test_unknown_recipe_key(tmp_path):
     result = _release(tmp_path / "store", "finetune.lora_rnak=8")
-    assert result.exit_code == 2
+    assert result.returncode == 2
     assert "finetune.lora_rnak" in _error_line(result) and "unknown key" in _error_line(result)
     assert not (tmp_path / "store").exists()
 
 
 def test_ill_typed_recipe_key(tmp_path):
     result = _release(tmp_path / "store", "finetune.train.steps=many")
-    assert result.exit_code == 2
+    assert result.returncode == 2
     assert "finetune.train.steps" in _error_line(result)
 
 
 def test_unknown_recipe_name(tmp_path):
-    result = CliRunner().invoke(app, ["release", "--recipe", "nope", "--store", f"file://{tmp_path}/s"])
-    assert result.exit_code == 2 and "unknown recipe 'nope'" in _error_line(result)
+    result = _cli("release", "--recipe", "nope", "--store", f"file://{tmp_path}/s")
+    assert result.returncode == 2 and "unknown recipe 'nope'" in _error_line(result)
 
 
 def test_missing_corpus_url(tmp_path):
     missing = tmp_path / "nowhere" / "corpus.jsonl"
     result = _release(tmp_path / "store", f"data.corpus=file://{missing}")
-    assert result.exit_code == 1
+    assert result.returncode == 1
     line = _error_line(result)
     assert "data.corpus" in line and str(missing) in line
     assert _manifests(tmp_path / "store") == []
@@ -62,7 +80,7 @@ def test_empty_corpus(tmp_path, prefect_harness):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
     result = _release(tmp_path / "store", f"base.data.corpus=file://{empty}", f"data.corpus=file://{empty}")
-    assert result.exit_code == 1
+    assert result.returncode == 1
     line = _error_line(result)
     assert "empty" in line and "empty.jsonl" in line
     assert _manifests(tmp_path / "store") == []
@@ -75,6 +93,6 @@ def test_corrupt_safetensors_base(tmp_path, tiny_base, prefect_harness):
     weights = next(bad.glob("*.safetensors"))
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])  # truncated download
     result = _release(tmp_path / "store", f"base.url=file://{bad}")
-    assert result.exit_code == 1
+    assert result.returncode == 1
     assert weights.name in _error_line(result)
     assert _manifests(tmp_path / "store") == []
