@@ -132,8 +132,9 @@ def _run(fn, **kwargs):
 def release(recipe: Recipe = "tiny", store: Store = "file://./artifacts", set_: Sets = None) -> None:
     """Run the release flow and print the bundle URL as the last line."""
     _preflight(recipe, set_ or [])
-    _log_to_stderr()
     from flows.release import release as release_flow
+
+    _log_to_stderr()
 
     console, rows = _console_progress()
     t0 = time.perf_counter()
@@ -149,8 +150,9 @@ def release(recipe: Recipe = "tiny", store: Store = "file://./artifacts", set_: 
 def draft_refresh(recipe: Recipe = "tiny", store: Store = "file://./artifacts", set_: Sets = None) -> None:
     """Retrain the draft on fresh prompts; promote it only if acceptance does not drop."""
     _preflight(recipe, set_ or [])
-    _log_to_stderr()
     from flows.draft_refresh import draft_refresh as refresh_flow
+
+    _log_to_stderr()
 
     console, rows = _console_progress()
     result = _run(refresh_flow, recipe=recipe, overrides=set_ or [], store=store)
