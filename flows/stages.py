@@ -1,8 +1,9 @@
 """Prefect tasks around forgeline's stages: one generic task whose cache key is the stage fingerprint.
 
-- cache key = the fingerprint, i.e. the stage's storage address (prefect-practice.md §2.2), but
-  only while that address holds a committed manifest: if the artifact was deleted, the key changes
-  and the stage runs again (the manifest, not Prefect's cache record, is the source of truth);
+- cache key = the fingerprint, i.e. the stage's storage address (prefect-practice.md §2.2), joined
+  with the committed artifact's URL and manifest digest, and only while that manifest exists: if the
+  artifact was deleted the key changes and the stage runs again, and a record written for another
+  store never answers for this one (the manifest, not Prefect's cache record, is the source of truth);
 - results are the artifact references, serialised as JSON (no pickle), never arrays;
 - retries with exponential backoff, for storage and network errors only -- a bad config, a corrupt
   input or a failed gate fails at once;
@@ -11,6 +12,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 import uuid
@@ -25,7 +27,6 @@ from prefect.tasks import exponential_backoff
 
 from storage import ArtifactError, ArtifactRef, Store
 from tasks import registry
-from tasks.stage import stage_fingerprint
 
 log = logging.getLogger("forgeline.flows")
 
@@ -44,17 +45,21 @@ LISTENERS: list[Callable[[StageEvent], None]] = []
 
 
 def _fingerprint(kind: str, config: Mapping[str, Any], inputs: Mapping[str, dict], salt: Mapping | None) -> str:
-    cfg = registry.parse_config(kind, config)
-    fp_config = {**cfg.model_dump(mode="json"), **({"_salt": dict(salt)} if salt else {})}
-    return stage_fingerprint(kind, fp_config, {k: ArtifactRef.from_dict(v) for k, v in inputs.items()})
+    return registry.fingerprint(kind, config, {k: ArtifactRef.from_dict(v) for k, v in inputs.items()}, salt)
 
 
 def cache_key(context: TaskRunContext, parameters: dict[str, Any]) -> str:
+    """`<kind>-<fingerprint>-<hash of (artifact URL, manifest digest)>` while the artifact is committed.
+
+    The fingerprint alone is not enough: the same stage committed to another store, or deleted and
+    committed again here (a new manifest digest), must not be answered with the old reference.
+    """
     kind = parameters["kind"]
     fp = _fingerprint(kind, parameters["config"], parameters["inputs"], parameters.get("salt"))
-    if Store(parameters["store"]).lookup(kind, fp) is None:
+    ref = Store(parameters["store"]).lookup(kind, fp)
+    if ref is None:
         return f"{kind}-{fp}-pending-{uuid.uuid4().hex}"  # not committed: never a cache hit
-    return f"{kind}-{fp}"
+    return f"{kind}-{fp}-{hashlib.sha256(f'{ref.url}@{ref.digest}'.encode()).hexdigest()[:16]}"
 
 
 def _retryable(task, task_run, state) -> bool:

@@ -13,7 +13,7 @@ from pydantic import BaseModel
 
 from storage import ArtifactRef, Store
 from tasks import base, data_prep, draft, evaluate, export, finetune, quantize, traces
-from tasks.stage import Compute, StageContext, run_stage
+from tasks.stage import Compute, StageContext, run_stage, stage_fingerprint
 from tasks.train import Progress
 
 
@@ -49,10 +49,19 @@ def parse_config(kind: str, config: Mapping[str, Any]) -> BaseModel:
     return validate(STAGES[kind][0], dict(config), kind)
 
 
+def _fp_config(cfg: BaseModel, salt: Mapping[str, Any] | None) -> dict[str, Any]:
+    """What is fingerprinted and recorded: the validated config, plus `salt` (e.g. the listing of an
+    external input) when given."""
+    return {**cfg.model_dump(mode="json"), **({"_salt": dict(salt)} if salt else {})}
+
+
+def fingerprint(kind: str, config: Mapping[str, Any], inputs: Mapping[str, ArtifactRef],
+                salt: Mapping[str, Any] | None = None) -> str:
+    return stage_fingerprint(kind, _fp_config(parse_config(kind, config), salt), inputs)
+
+
 def run(store: Store, kind: str, config: Mapping[str, Any], inputs: Mapping[str, ArtifactRef], *,
         salt: Mapping[str, Any] | None = None, progress: Progress | None = None, force: bool = False) -> ArtifactRef:
-    """Run one stage by name. `salt` joins the fingerprint only (e.g. the listing of an external input)."""
+    """Run one stage by name (skipped when its fingerprint is already committed)."""
     cfg = parse_config(kind, config)
-    compute = STAGES[kind][1](cfg, progress)
-    fp_config = {**cfg.model_dump(mode="json"), **({"_salt": dict(salt)} if salt else {})}
-    return run_stage(store, kind, fp_config, inputs, compute, force=force)
+    return run_stage(store, kind, _fp_config(cfg, salt), inputs, STAGES[kind][1](cfg, progress), force=force)
