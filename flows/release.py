@@ -11,6 +11,7 @@ release resumes after the last committed stage and a finished release re-runs in
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from prefect import flow, get_run_logger
@@ -34,9 +35,8 @@ def base_stage(cfg: ReleaseConfig, store: str) -> ArtifactRef:
     return run_stage("base", "base", cfg.base, {"data": pre}, store)
 
 
-def publish_report(store: Store, cfg: ReleaseConfig, evaluation: ArtifactRef) -> dict[str, Any]:
-    import json
-
+def publish_report(cfg: ReleaseConfig, evaluation: ArtifactRef) -> dict[str, Any]:
+    """The eval report as a markdown artifact and the headline metrics as a table, in the UI."""
     report = json.loads(storage.read_bytes(evaluation.file("report.json")))
     md = storage.read_bytes(evaluation.file("report.md")).decode()
     key = cfg.name.lower().replace("_", "-")
@@ -67,7 +67,7 @@ def release(recipe: str = "tiny", overrides: list[str] | None = None, store: str
     qu = run_stage("quantize", "quantize", cfg.quantize, {"model": ft}, store)
     ev = run_stage("evaluate", "evaluate", cfg.evaluate,
                    {"base": base, "finetune": ft, "data": data, "draft": dr, "quant": qu}, store)
-    publish_report(st, cfg, ev)
+    publish_report(cfg, ev)
     export_cfg = ExportConfig(name=cfg.name, recipe=cfg.model_dump(mode="json"))
     bundle = run_stage("export", "export", export_cfg,
                        {"base": base, "data": data, "finetune": ft, "traces": tr, "draft": dr, "quant": qu,

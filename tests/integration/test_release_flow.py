@@ -25,18 +25,23 @@ BUNDLE_FILES = [
 ]
 
 
-@pytest.fixture(scope="module")
-def released(s3_env, prefect_harness, tmp_path_factory):
+def _release_with_events(store: str) -> tuple[str, list]:
+    """Run the release flow and collect the stage events it announces."""
     from flows.release import release
     from flows.stages import LISTENERS
 
-    store = f"s3://forgeline/it-{uuid.uuid4().hex[:8]}"
-    events = []
+    events: list = []
     LISTENERS.append(events.append)
     try:
-        url = release(recipe="tiny", overrides=TINY_RELEASE, store=store)
+        return release(recipe="tiny", overrides=TINY_RELEASE, store=store), events
     finally:
         LISTENERS.remove(events.append)
+
+
+@pytest.fixture(scope="module")
+def released(s3_env, prefect_harness, tmp_path_factory):
+    store = f"s3://forgeline/it-{uuid.uuid4().hex[:8]}"
+    url, events = _release_with_events(store)
     return store, url, events
 
 
@@ -101,16 +106,8 @@ def test_transformers_and_peft_load_the_bundle(released, tmp_path):
 
 
 def test_second_run_is_all_cache_hits(released):
-    from flows.release import release
-    from flows.stages import LISTENERS
-
     store, url, _ = released
-    events = []
-    LISTENERS.append(events.append)
-    try:
-        again = release(recipe="tiny", overrides=TINY_RELEASE, store=store)
-    finally:
-        LISTENERS.remove(events.append)
+    again, events = _release_with_events(store)
     assert again == url
     assert len(events) == 9 and not any(e.ran for e in events)
 
