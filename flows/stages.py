@@ -105,10 +105,11 @@ def stage(name: str, kind: str, config: dict[str, Any], inputs: dict[str, dict],
     t0 = time.perf_counter()
     st = Store(store)
     refs = {k: ArtifactRef.from_dict(v) for k, v in inputs.items()}
-    progress = _progress_reporter(name) if kind in ("base", "finetune", "draft") else None
-    fp = _fingerprint(kind, config, inputs, salt)
-    ran = st.lookup(kind, fp) is None
-    ref = registry.run(st, kind, config, refs, salt=salt, progress=progress)
+    ref = st.lookup(kind, _fingerprint(kind, config, inputs, salt))
+    ran = ref is None
+    if ran:  # a progress bar only for work that will actually happen
+        progress = _progress_reporter(name) if kind in ("base", "finetune", "draft") else None
+        ref = registry.run(st, kind, config, refs, salt=salt, progress=progress)
     _announce(StageEvent(name, kind, ref, ran, time.perf_counter() - t0))
     return ref.to_dict()
 
