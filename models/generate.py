@@ -34,16 +34,20 @@ from flax import nnx
 @dataclasses.dataclass(frozen=True)
 class KVCache:
     k: jax.Array  # [L, B, K, S, H] (head-major: attention reads a layer's slice without a transpose)
-    v: jax.Array  # [L, B, K, S, H]
+    v: jax.Array  # [L, B, K, S, Hv] (MLA: k = latent [L, B, 1, S, kv_lora], v = rope key [L, B, 1, S, R])
     valid: jax.Array  # [B, S] bool: slot holds a real (non-padding) token
     length: jax.Array  # [B] int32: next slot to write per row
 
     @classmethod
     def init(cls, config: Any, batch: int, max_len: int, dtype: Any = jnp.float32) -> KVCache:
-        shape = (config.num_hidden_layers, batch, config.num_key_value_heads, max_len, config.head_dim)
+        """An empty cache. `config.kv_cache_dims()` ((Kk, Hk), (Kv, Hv)) overrides the (K, H) per
+        token of k and v: MLA caches its compressed latent and its single rope key instead."""
+        dims = getattr(config, "kv_cache_dims", None)
+        (kk, hk), (kv, hv) = dims() if dims else ((config.num_key_value_heads, config.head_dim),) * 2
+        L = config.num_hidden_layers
         return cls(
-            k=jnp.zeros(shape, dtype),
-            v=jnp.zeros(shape, dtype),
+            k=jnp.zeros((L, batch, kk, max_len, hk), dtype),
+            v=jnp.zeros((L, batch, kv, max_len, hv), dtype),
             valid=jnp.zeros((batch, max_len), bool),
             length=jnp.zeros((batch,), jnp.int32),
         )

@@ -33,19 +33,27 @@ from urllib.request import url2pathname
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import safetensors
 import safetensors.numpy
 from flax import nnx
 
 from models import quant, registry
-from models.layers import Embed, Linear, RMSNorm, hf_name
+from models.formats import DequantizingCheckpoint
+from models.layers import Buffer, Embed, Linear, RMSNorm, hf_name
 
 log = logging.getLogger(__name__)
 
 SAFETENSORS_DTYPES = {  # safetensors dtype tag -> bytes per element
     "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "E8M0": 1, "I16": 2, "U16": 2, "F16": 2,
     "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8,
+}
+NUMPY_DTYPES = {  # safetensors dtype tag -> numpy dtype (ml_dtypes supplies bf16 / fp8 / e8m0)
+    "BOOL": np.bool_, "U8": np.uint8, "I8": np.int8, "F8_E4M3": ml_dtypes.float8_e4m3fn,
+    "F8_E5M2": ml_dtypes.float8_e5m2, "E8M0": ml_dtypes.float8_e8m0fnu, "I16": np.int16, "U16": np.uint16,
+    "F16": np.float16, "BF16": ml_dtypes.bfloat16, "I32": np.int32, "U32": np.uint32, "F32": np.float32,
+    "I64": np.int64, "U64": np.uint64, "F64": np.float64,
 }
 DTYPE_NAMES = {jnp.dtype(jnp.float32): "float32", jnp.dtype(jnp.bfloat16): "bfloat16",
                jnp.dtype(jnp.float16): "float16"}
@@ -118,8 +126,11 @@ def read_safetensors_header(path: str) -> dict[str, dict[str, Any]]:
     if not isinstance(header, dict):
         raise ValueError(f"{path}: corrupt safetensors header (not a JSON object)")
     header.pop("__metadata__", None)
+    header["__data_start__"] = 8 + n  # type: ignore[assignment]  # popped by the caller
     data_bytes = size - 8 - n
     for name, info in header.items():
+        if name == "__data_start__":
+            continue
         try:
             dtype, shape, (begin, end) = info["dtype"], info["shape"], info["data_offsets"]
             expected = math.prod(shape) * SAFETENSORS_DTYPES[dtype]
@@ -153,6 +164,7 @@ class SafetensorsCheckpoint(Mapping):
             raise ValueError(f"{folder}: no {SINGLE_FILE} or {INDEX_FILE}")
         self.sharded = weight_map is not None
         self.headers = {fn: read_safetensors_header(os.path.join(folder, fn)) for fn in files}
+        self.data_start = {fn: h.pop("__data_start__") for fn, h in self.headers.items()}
         self.file_of: dict[str, str] = {}
         for fn, header in self.headers.items():
             for name in header:
@@ -172,15 +184,27 @@ class SafetensorsCheckpoint(Mapping):
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self.headers[self.file_of[name]][name]["shape"])
 
+    def dtype(self, name: str) -> str:
+        """The safetensors dtype tag of `name` ("BF16", "F8_E4M3", ...)."""
+        return self.headers[self.file_of[name]][name]["dtype"]
+
     def __getitem__(self, name: str) -> np.ndarray:
+        """Read one tensor straight from its validated byte range (bf16 and fp8 through ml_dtypes)."""
         if name not in self.file_of:
             raise KeyError(name)
-        path = self.path_of(name)
+        fn = self.file_of[name]
+        info = self.headers[fn][name]
+        begin, end = info["data_offsets"]
+        path = os.path.join(self.folder, fn)
         try:
-            with safetensors.safe_open(path, framework="numpy") as f:
-                return f.get_tensor(name)
-        except Exception as e:  # the library's own error types vary across versions
+            with open(path, "rb") as f:
+                f.seek(self.data_start[fn] + begin)
+                raw = f.read(end - begin)
+        except OSError as e:
             raise ValueError(f"{path}: cannot read tensor {name} ({type(e).__name__}: {e})") from None
+        if len(raw) != end - begin:
+            raise ValueError(f"{path}: truncated safetensors: tensor {name} is cut short")
+        return np.frombuffer(raw, dtype=NUMPY_DTYPES[info["dtype"]]).reshape(info["shape"]).copy()
 
     def __iter__(self):
         return iter(self.file_of)
@@ -195,7 +219,19 @@ class SafetensorsCheckpoint(Mapping):
 
 
 def _named_modules(model: nnx.Module) -> list[tuple[str, tuple, nnx.Module]]:
-    mods = [(hf_name(p), p, n) for p, n in nnx.iter_graph(model) if isinstance(n, (Linear, Embed, RMSNorm))]
+    """(HF prefix, nnx path, module) for every module that owns HF tensors, in natural name order:
+    Linear / Embed / RMSNorm, modules with their own `hf_export`/`hf_import` (their descendants are
+    theirs), and modules listing raw parameters in `hf_raw`."""
+    custom: list[tuple] = []
+    mods = []
+    for p, n in nnx.iter_graph(model):
+        if not isinstance(n, nnx.Module) or any(p[: len(c)] == c for c in custom):
+            continue
+        if hasattr(n, "hf_export"):
+            custom.append(p)
+            mods.append((hf_name(p), p, n))
+        elif isinstance(n, (Linear, Embed, RMSNorm)) or getattr(n, "hf_raw", ()):
+            mods.append((hf_name(p), p, n))
     return sorted(mods, key=lambda m: _natural_key(m[0]))
 
 
@@ -211,63 +247,108 @@ def state_to_hf(
     model: nnx.Module, *, dtype: Any = None, skip_quantized: bool = False
 ) -> dict[str, np.ndarray]:
     """HF-named float tensors ([out, in] for Linear). LoRA factors are folded in, int8 layers are
-    dequantized (or skipped with `skip_quantized`, for the compressed-tensors writer)."""
+    dequantized (or skipped with `skip_quantized`, for the compressed-tensors writer). Buffers
+    (e.g. DeepSeek's e_score_correction_bias) keep their own dtype (fp32)."""
     out: dict[str, np.ndarray] = {}
+
+    def emit(name: str, value: Any, keep_dtype: bool = False) -> None:
+        value = jnp.asarray(value)
+        out[name] = _np(value, value.dtype if keep_dtype or dtype is None else dtype)
+
     for name, _, mod in _named_modules(model):
+        if hasattr(mod, "hf_export"):
+            for suffix, value in mod.hf_export().items():
+                emit(f"{name}.{suffix}", value)
+            continue
         if isinstance(mod, Linear):
-            if mod.qweight is not None and skip_quantized:
-                continue
-            w = mod.weight()
-            out[f"{name}.weight"] = _np(w.T, dtype or w.dtype)  # [out, in]
-            if mod.bias is not None:
-                out[f"{name}.bias"] = _np(mod.bias[...], dtype or mod.bias[...].dtype)
-        else:
-            w = mod.weight[...]
-            out[f"{name}.weight"] = _np(w, dtype or w.dtype)
+            if not (mod.qweight is not None and skip_quantized):
+                emit(f"{name}.weight", mod.weight().T)  # [out, in]
+                if mod.bias is not None:
+                    emit(f"{name}.bias", mod.bias[...])
+        elif isinstance(mod, (Embed, RMSNorm)):
+            emit(f"{name}.weight", mod.weight[...])
+        for attr in getattr(mod, "hf_raw", ()):
+            var = getattr(mod, attr)
+            if var is not None:
+                emit(f"{name}.{attr}", var[...], keep_dtype=isinstance(var, Buffer))
+    extra = getattr(model, "hf_extra_export", None)
+    if extra is not None:
+        for name, value in extra().items():
+            emit(name, value)
     return out
+
+
+MAX_LISTED = 12  # names per category in a mismatch error
 
 
 def hf_to_state(
     model: nnx.Module, tensors: Mapping[str, np.ndarray], *, source: str = "<tensors>"
 ) -> nnx.State:
     """Fill `model`'s variables in place from HF-named `tensors` (works on an `nnx.eval_shape`
-    model) and return its state. Missing tensors and wrong shapes raise ValueError."""
-    where = tensors.path_of if isinstance(tensors, SafetensorsCheckpoint) else (lambda _: source)
+    model) and return its state.
+
+    Every missing, unexpected and mis-shaped tensor is collected and reported in one ValueError
+    naming the file (or folder). A model may accept extra names through `hf_accepts(name)` (e.g.
+    MTP copies of the embeddings).
+    """
+    where = getattr(tensors, "path_of", lambda _: source)
     used: set[str] = set()
+    missing: list[str] = []
+    misshaped: list[str] = []
 
-    def get(name: str, shape: tuple[int, ...]) -> np.ndarray:
+    def get(name: str, shape: tuple[int, ...]) -> np.ndarray | None:
         if name not in tensors:
-            raise ValueError(f"{where(name)}: missing tensor {name}")
-        arr = tensors[name]
-        if tuple(arr.shape) != tuple(shape):
-            raise ValueError(
-                f"{where(name)}: tensor {name} has shape {list(arr.shape)}, expected {list(shape)}")
+            missing.append(name)
+            return None
+        have = tuple(tensors.shape(name)) if hasattr(tensors, "shape") else tuple(np.shape(tensors[name]))
         used.add(name)
-        return arr
+        if len(have) != len(shape) or any(s not in (-1, h) for s, h in zip(shape, have, strict=False)):
+            misshaped.append(f"{name} {list(have)} (expected {list(shape)})")
+            return None
+        return tensors[name]
 
-    def put(var: nnx.Variable, arr: np.ndarray) -> None:
-        var.set_value(jnp.asarray(arr, dtype=var.get_value().dtype))
+    def put(var: nnx.Variable, arr: np.ndarray | None) -> None:
+        if arr is not None:
+            var.set_value(jnp.asarray(arr, dtype=var.get_value().dtype))
 
     for name, _, mod in _named_modules(model):
+        if hasattr(mod, "hf_import"):
+            mod.hf_import(lambda suffix, shape, _n=name: get(f"{_n}.{suffix}", shape))
+            continue
         if isinstance(mod, Linear):
             i, o = mod.in_features, mod.out_features
             if mod.qweight is not None:
                 packed = get(f"{name}.weight_packed", (o, -(-i // quant.PACK)))
                 shape = get(f"{name}.weight_shape", (2,))
-                if [int(s) for s in shape] != [o, i]:
-                    raise ValueError(f"{where(name + '.weight_shape')}: tensor {name}.weight_shape is "
-                                     f"{shape.tolist()}, expected {[o, i]}")
-                put(mod.qweight, quant.unpack_int8(np.asarray(packed), (o, i)).T)
-                put(mod.scale, np.asarray(get(f"{name}.weight_scale", (o, 1)), np.float32)[:, 0])
+                if shape is not None and [int(s) for s in shape] != [o, i]:
+                    misshaped.append(f"{name}.weight_shape = {shape.tolist()} (expected {[o, i]})")
+                elif packed is not None:
+                    put(mod.qweight, quant.unpack_int8(np.asarray(packed), (o, i)).T)
+                scale = get(f"{name}.weight_scale", (o, 1))
+                put(mod.scale, None if scale is None else np.asarray(scale, np.float32)[:, 0])
             else:
-                put(mod.kernel, np.asarray(get(f"{name}.weight", (o, i))).T)
+                w = get(f"{name}.weight", (o, i))
+                put(mod.kernel, None if w is None else np.asarray(w).T)
             if mod.bias is not None:
                 put(mod.bias, get(f"{name}.bias", (o,)))
-        else:
+        elif isinstance(mod, (Embed, RMSNorm)):
             put(mod.weight, get(f"{name}.weight", tuple(mod.weight.get_value().shape)))
-    extra = sorted(set(tensors) - used)
-    if extra:
-        log.warning("%s: ignoring %d unexpected tensors, e.g. %s", source, len(extra), extra[:3])
+        for attr in getattr(mod, "hf_raw", ()):
+            var = getattr(mod, attr)
+            if var is not None:
+                put(var, get(f"{name}.{attr}", tuple(var.get_value().shape)))
+    accepts = getattr(model, "hf_accepts", lambda _name: False)
+    unexpected = sorted((n for n in set(tensors) - used if not accepts(n)), key=_natural_key)
+    if missing or unexpected or misshaped:
+        parts = []
+        for label, names in (("missing", missing), ("unexpected", unexpected), ("mis-shaped", misshaped)):
+            if names:
+                more = f" and {len(names) - MAX_LISTED} more" if len(names) > MAX_LISTED else ""
+                parts.append(f"{len(names)} {label}: {', '.join(names[:MAX_LISTED])}{more}")
+        files = sorted({where(n.split(" ")[0]) for n in missing + unexpected + misshaped})
+        place = files[0] if len(files) == 1 else source
+        arch = type(model).__name__
+        raise ValueError(f"{place}: tensors do not match {arch}: " + "; ".join(parts))
     state = nnx.state(model)
     if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(state)):
         raise ValueError(f"{source}: some variables were not loaded")  # a family/loader mismatch
@@ -291,21 +372,31 @@ def load_config(folder: str) -> dict[str, Any]:
 def from_pretrained(path_or_url: str, *, dtype: Any = jnp.float32) -> nnx.Module:
     """Build the model named by config.json `architectures` and load its safetensors weights.
 
-    Parameters and activations use `dtype`. A compressed-tensors int8 checkpoint (as written by
-    `save_pretrained` of a `quantize_int8` model) loads as an int8 model.
+    Parameters and activations use `dtype`. Published quantized checkpoints are dequantized on load
+    (DeepSeek FP8 block weights, GPT-OSS MXFP4 experts; models/formats.py); a compressed-tensors
+    int8 checkpoint (as written by `save_pretrained` of a `quantize_int8` model) loads as an int8 model.
     """
     with readable_dir(path_or_url) as folder:
+        config_path = os.path.join(folder, "config.json")
         cfg_dict = load_config(folder)
-        config_cls, model_cls = registry.resolve(cfg_dict, os.path.join(folder, "config.json"))
+        config_cls, model_cls = registry.resolve(cfg_dict, config_path)
         config = config_cls.from_hf(cfg_dict)
         model = nnx.eval_shape(lambda: model_cls(config, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=dtype))
-        if cfg_dict.get("quantization_config"):
-            quant.check_compressed_tensors_config(cfg_dict["quantization_config"],
-                                                  os.path.join(folder, "config.json"))
+        qcfg = cfg_dict.get("quantization_config") or {}
+        tensors: Mapping[str, np.ndarray] = SafetensorsCheckpoint(folder)
+        method = qcfg.get("quant_method")
+        if method in ("fp8", "mxfp4"):
+            block = tuple(qcfg.get("weight_block_size") or (128, 128))
+            if method == "fp8" and block != (128, 128):
+                raise ValueError(f"{config_path}: quantization_config.weight_block_size {list(block)} "
+                                 "(only [128, 128] is supported)")
+            tensors = DequantizingCheckpoint(tensors)
+        elif qcfg:
+            quant.check_compressed_tensors_config(qcfg, config_path)
             for _, lin in quant.quantizable_linears(model):
                 quant.set_int8(lin, jnp.zeros((lin.in_features, lin.out_features), jnp.int8),
                                jnp.ones((lin.out_features,), jnp.float32))
-        hf_to_state(model, SafetensorsCheckpoint(folder), source=folder)
+        hf_to_state(model, tensors, source=folder)
     return model
 
 

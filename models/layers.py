@@ -44,6 +44,10 @@ class QuantScale(nnx.Variable):
     """Per-output-channel dequantisation scale of a quantized Linear, [out]."""
 
 
+class Buffer(nnx.Variable):
+    """A loaded, saved but never trained tensor (DeepSeek's e_score_correction_bias, kept fp32)."""
+
+
 # ------------------------------------------------------------------------------------------------
 # Linear: kernel [in, out] (+ bias), optionally LoRA factors or an int8 weight instead of the kernel
 # ------------------------------------------------------------------------------------------------
@@ -129,15 +133,22 @@ class Embed(nnx.Module):
 
 
 class RMSNorm(nnx.Module):
-    """w · x / sqrt(mean(x²) + eps): statistics in fp32, cast back to the input dtype, then × w."""
+    """w · x / sqrt(mean(x²) + eps): statistics in fp32, cast back to the input dtype, then × w.
 
-    def __init__(self, features: int, *, eps: float, axis_name: str = "norm", param_dtype: Any = jnp.float32):
+    `weight_in_fp32` (GPT-OSS, architectures.md §2.2): multiply by w in fp32 first, then cast.
+    """
+
+    def __init__(self, features: int, *, eps: float, axis_name: str = "norm", param_dtype: Any = jnp.float32,
+                 weight_in_fp32: bool = False):
         self.eps = eps
+        self.weight_in_fp32 = weight_in_fp32
         self.weight = param(jnp.ones((features,), param_dtype), (axis_name,))
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x32 = x.astype(jnp.float32)
         y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        if self.weight_in_fp32:
+            return (self.weight[...].astype(jnp.float32) * y).astype(x.dtype)
         return self.weight[...].astype(x.dtype) * y.astype(x.dtype)
 
 
@@ -146,36 +157,102 @@ class RMSNorm(nnx.Module):
 # ------------------------------------------------------------------------------------------------
 
 
+def rope_frequencies(
+    dim: int, theta: float, scaling: Mapping[str, Any] | None = None, max_position_embeddings: int | None = None
+) -> tuple[np.ndarray, float]:
+    """(inv_freq [dim/2] float32, attention_scaling) for `dim` rotary dims, as transformers'
+    `modeling_rope_utils` computes them: default, linear, llama3 and YaRN (architectures.md §3).
+
+    attention_scaling multiplies cos and sin (1.0 except YaRN without mscale/mscale_all_dim).
+    """
+    exponent = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / np.float32(dim)
+    pos_freqs = (np.float32(theta) ** exponent).astype(np.float32)  # [dim/2]
+    inv_freq = (1.0 / pos_freqs).astype(np.float32)
+    scaling = dict(scaling or {})
+    rope_type = scaling.get("rope_type") or scaling.get("type") or "default"
+    if rope_type == "default":
+        return inv_freq, 1.0
+    if rope_type == "linear":
+        return (inv_freq / np.float32(scaling["factor"])).astype(np.float32), 1.0
+    if rope_type == "llama3":
+        factor = float(scaling["factor"])
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        orig = float(scaling["original_max_position_embeddings"])
+        low_wavelen, high_wavelen = orig / low, orig / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = np.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (orig / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+        return np.where(is_medium, smoothed, scaled).astype(np.float32), 1.0
+    if rope_type == "yarn":
+        return _yarn(dim, float(theta), scaling, pos_freqs, max_position_embeddings)
+    raise NotImplementedError(f"rope_type {rope_type!r} (supported: default, linear, llama3, yarn)")
+
+
+def _yarn(dim: int, base: float, p: Mapping[str, Any], pos_freqs: np.ndarray,
+          max_position_embeddings: int | None) -> tuple[np.ndarray, float]:
+    """YaRN (transformers `_compute_yarn_parameters`, architectures.md §3.3)."""
+    orig = p.get("original_max_position_embeddings") or max_position_embeddings
+    factor = p.get("factor")
+    if factor is None:  # DeepSeek-style: the ratio of the extended to the pretraining length
+        factor = max_position_embeddings / orig
+    factor = float(factor)
+
+    def get_mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = p.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = p.get("mscale"), p.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            attention_factor = get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim)
+        else:
+            attention_factor = get_mscale(factor)
+    beta_fast, beta_slow = p.get("beta_fast") or 32, p.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if p.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - np.float32(low)) / np.float32(high - low), 0, 1)
+    extrapolation = (1 - ramp).astype(np.float32)
+    inv_extrap = (1.0 / pos_freqs).astype(np.float32)
+    inv_interp = (1.0 / (np.float32(factor) * pos_freqs)).astype(np.float32)
+    inv_freq = inv_interp * (1 - extrapolation) + inv_extrap * extrapolation
+    return inv_freq.astype(np.float32), float(attention_factor)
+
+
 def rope_inv_freq(head_dim: int, theta: float, scaling: Mapping[str, Any] | None = None) -> np.ndarray:
-    """inv_freq [H/2] in float32, exactly as transformers computes it (default and llama3 types)."""
-    exponent = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
-    inv_freq = (1.0 / (np.float32(theta) ** exponent)).astype(np.float32)
-    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
-    if rope_type in (None, "default"):
-        return inv_freq
-    if rope_type != "llama3":
-        raise NotImplementedError(f"rope_type {rope_type!r} is not supported by this model family")
-    factor = float(scaling["factor"])
-    low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
-    orig = float(scaling["original_max_position_embeddings"])
-    low_wavelen, high_wavelen = orig / low, orig / high
-    wavelen = 2 * math.pi / inv_freq
-    scaled = np.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-    smooth = (orig / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    is_medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
-    return np.where(is_medium, smoothed, scaled).astype(np.float32)
+    """inv_freq [H/2] in float32 (see rope_frequencies; attention scaling dropped)."""
+    return rope_frequencies(head_dim, theta, scaling)[0]
 
 
-def rope_cos_sin(positions: jax.Array, inv_freq: np.ndarray, dtype: Any) -> tuple[jax.Array, jax.Array]:
-    """cos, sin [B, T, H] for integer positions [B, T] (angles in fp32, then cast to dtype)."""
-    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)[None, None, :]  # [B, T, H/2]
-    angles = jnp.concatenate([angles, angles], axis=-1)  # [B, T, H]
-    return jnp.cos(angles).astype(dtype), jnp.sin(angles).astype(dtype)
+def rope_cos_sin(positions: jax.Array, inv_freq: np.ndarray, dtype: Any,
+                 attention_scaling: float = 1.0) -> tuple[jax.Array, jax.Array]:
+    """cos, sin [B, T, d] for integer positions [B, T] (angles in fp32, × attention_scaling, then cast)."""
+    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)[None, None, :]  # [B, T, d/2]
+    angles = jnp.concatenate([angles, angles], axis=-1)  # [B, T, d]
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    if attention_scaling != 1.0:
+        cos, sin = cos * attention_scaling, sin * attention_scaling
+    return cos.astype(dtype), sin.astype(dtype)
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """x [B, T, N, H] rotated as x·cos + rotate_half(x)·sin with rotate_half([x1, x2]) = [-x2, x1]."""
+    """x [B, T, N, H] rotated as x·cos + rotate_half(x)·sin with rotate_half([x1, x2]) = [-x2, x1].
+
+    Partial rotary (cos/sin [B, T, d] with d < H, GLM-4.5): only the first d dims of each head
+    rotate (halves of d/2 inside them); the remaining H - d pass through.
+    """
+    d = cos.shape[-1]
+    if d < x.shape[-1]:
+        return jnp.concatenate([apply_rope(x[..., :d], cos, sin), x[..., d:]], axis=-1)
     x1, x2 = jnp.split(x, 2, axis=-1)
     rotated = jnp.concatenate([-x2, x1], axis=-1)
     return x * cos[:, :, None, :] + rotated * sin[:, :, None, :]
@@ -190,62 +267,85 @@ CAUSAL_CHUNK = 128  # query block size when a call's keys are its own queries (t
 
 
 @jax.custom_vjp
-def attention_core(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
-    """softmax(q kᵀ + mask) v per kv head. q [B, K, T, G, H] (already scaled), k/v [B, K, S, H],
-    mask [B, T, S] -> [B, K, T, G, H]. The G query heads sharing a kv head ride along the query
-    axis, so both products are plain batched GEMMs. Softmax in fp32; a fully masked row (a padding
-    query) gets a uniform distribution instead of NaN."""
-    return _attention_fwd(q, k, v, mask)[0]
+def attention_core(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, sinks: jax.Array | None
+                   ) -> jax.Array:
+    """softmax([q kᵀ + mask, sink]) v per kv head, sink column dropped after the softmax.
+
+    q [B, K, T, G, H] (already scaled), k [B, K, S, H], v [B, K, S, Hv], mask [B, T, S],
+    sinks [K, G] fp32 or None -> [B, K, T, G, Hv]. The G query heads sharing a kv head ride along
+    the query axis, so both products are plain batched GEMMs. Softmax in fp32. A fully masked row
+    (a padding query) gets a uniform distribution instead of NaN when there is no sink, and all of
+    its mass on the sink (output 0) when there is one (GPT-OSS, architectures.md §8.3).
+    """
+    return _attention_fwd(q, k, v, mask, sinks)[0]
 
 
-def _attention_fwd(q, k, v, mask):
+def _attention_fwd(q, k, v, mask, sinks):
     B, K, T, G, H = q.shape
+    Hv = v.shape[-1]
     scores = jnp.einsum("bkqh,bksh->bkqs", q.reshape(B, K, T * G, H), k).astype(jnp.float32)
     scores = jnp.where(mask[:, None, :, None, :], scores.reshape(B, K, T, G, -1), NEG_INF)  # [B, K, T, G, S]
-    probs = jax.nn.softmax(scores, axis=-1)
+    if sinks is None:
+        probs = jax.nn.softmax(scores, axis=-1)
+    else:
+        sink = jnp.broadcast_to(sinks.astype(jnp.float32)[None, :, None, :, None], (B, K, T, G, 1))
+        m = jnp.maximum(jnp.max(scores, axis=-1, keepdims=True), sink)
+        e = jnp.exp(scores - m)
+        probs = e / (jnp.sum(e, axis=-1, keepdims=True) + jnp.exp(sink - m))  # rows sum to < 1
     out = jnp.einsum("bkqs,bksh->bkqh", probs.reshape(B, K, T * G, -1).astype(v.dtype), v)
-    out = out.reshape(B, K, T, G, H)
-    return out, (q, k, v, mask, probs, out)
+    out = out.reshape(B, K, T, G, Hv)
+    return out, (q, k, v, mask, sinks, probs, out)
 
 
 def _attention_bwd(res, d_out):
-    """FlashAttention's backward: dS = P ∘ (dP − rowsum(dO ∘ O)); no reduction over a [T, S] product."""
-    q, k, v, mask, probs, out = res
+    """FlashAttention's backward: dS = P ∘ (dP − rowsum(dO ∘ O)); no reduction over a [T, S] product.
+    The sink column has no value row, so d sink = −P_sink · rowsum(dO ∘ O), summed over B and T."""
+    q, k, v, mask, sinks, probs, out = res
     B, K, T, G, H = q.shape
-    d_out2 = d_out.reshape(B, K, T * G, H)
+    Hv = v.shape[-1]
+    d_out2 = d_out.reshape(B, K, T * G, Hv)
     dv = jnp.einsum("bkqs,bkqh->bksh", probs.reshape(B, K, T * G, -1).astype(v.dtype), d_out2)
     dp = jnp.einsum("bkqh,bksh->bkqs", d_out2, v).astype(jnp.float32).reshape(probs.shape)
     row = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1, keepdims=True)  # [B,K,T,G,1]
     ds = jnp.where(mask[:, None, :, None, :], probs * (dp - row), 0.0)
+    d_sinks = None
+    if sinks is not None:
+        p_sink = 1.0 - jnp.sum(probs, axis=-1, keepdims=True)  # [B, K, T, G, 1]
+        d_sinks = (-jnp.sum(p_sink * row, axis=(0, 2, 4))).astype(sinks.dtype)  # [K, G]
     ds = ds.astype(q.dtype).reshape(B, K, T * G, -1)
     dq = jnp.einsum("bkqs,bksh->bkqh", ds, k).reshape(q.shape)
     dk = jnp.einsum("bkqs,bkqh->bksh", ds, q.reshape(B, K, T * G, H))
-    return dq, dk, dv, None
+    return dq, dk, dv, None, d_sinks
 
 
 attention_core.defvjp(_attention_fwd, _attention_bwd)
 
 
 def attention(
-    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, causal: bool = False
+    q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, causal: bool = False,
+    scale: float | None = None, sinks: jax.Array | None = None,
 ) -> jax.Array:
-    """Grouped-query attention: q [B, T, N, H], k/v [B, K, S, H] (head-major, the KV-cache layout),
-    mask [B, T, S] -> [B, T, N, H].
+    """Grouped-query attention: q [B, T, N, H], k [B, K, S, H], v [B, K, S, Hv] (head-major, the
+    KV-cache layout), mask [B, T, S] (True = may attend) -> [B, T, N, Hv].
 
-    `causal=True` promises that key j is query j (S == T) and that `mask` is causal: queries are then
-    processed in blocks of CAUSAL_CHUNK that only see the keys up to their block's end, which skips
-    close to half of the score matrix (CPU attention is bound by its memory traffic).
+    `scale` defaults to H^-0.5 (DeepSeek passes its YaRN-corrected scale). `sinks` [N] adds one
+    learned logit per head to every softmax row (GPT-OSS). `causal=True` promises that key j is
+    query j (S == T) and that `mask` is causal: queries are then processed in blocks of
+    CAUSAL_CHUNK that only see the keys up to their block's end, which skips close to half of the
+    score matrix (CPU attention is bound by its memory traffic).
     """
     B, T, N, H = q.shape
-    K, S = k.shape[1], k.shape[2]
-    q = (q * jnp.asarray(H**-0.5, q.dtype)).reshape(B, T, K, N // K, H)  # [B, T, K, G, H]
+    K, S, Hv = k.shape[1], k.shape[2], v.shape[-1]
+    scale = H**-0.5 if scale is None else scale
+    q = (q * jnp.asarray(scale, q.dtype)).reshape(B, T, K, N // K, H)  # [B, T, K, G, H]
+    sinks = None if sinks is None else sinks.astype(jnp.float32).reshape(K, N // K)  # [K, G]
     chunk = CAUSAL_CHUNK if causal and S == T and T > CAUSAL_CHUNK else T
     outs = []
     for t0 in range(0, T, chunk):
         t1 = min(t0 + chunk, T)
         s1 = t1 if chunk < T else S  # causal: later keys are masked for this block anyway
         q_blk = q[:, t0:t1].transpose(0, 2, 1, 3, 4)  # [B, K, C, G, H]
-        out = attention_core(q_blk, k[:, :, :s1], v[:, :, :s1], mask[:, t0:t1, :s1])
-        outs.append(out.transpose(0, 2, 1, 3, 4))  # [B, C, K, G, H]
+        out = attention_core(q_blk, k[:, :, :s1], v[:, :, :s1], mask[:, t0:t1, :s1], sinks)
+        outs.append(out.transpose(0, 2, 1, 3, 4))  # [B, C, K, G, Hv]
     out = outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=1)
-    return out.reshape(B, T, N, H)
+    return out.reshape(B, T, N, Hv)

@@ -25,12 +25,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.generate import KVCache
-from models.layers import Embed, Linear, RMSNorm, apply_rope, attention, rope_cos_sin, rope_inv_freq
+from models.decoder import MLP, DecoderLayer, DecoderLM, GQAttention
+from models.layers import Embed, Linear, RMSNorm, rope_cos_sin, rope_frequencies
 
 ARCH_TO_MODEL_TYPE = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"}
 MODEL_TYPE_TO_ARCH = {v: k for k, v in ARCH_TO_MODEL_TYPE.items()}
-SUPPORTED_ROPE_TYPES = ("default", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -193,159 +193,39 @@ class LlamaConfig:
 
 
 # ------------------------------------------------------------------------------------------------
-# Modules
+# Model
 # ------------------------------------------------------------------------------------------------
 
 
-class Attention(nnx.Module):
-    def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs, dtype: Any, param_dtype: Any):
-        D, N, K, H = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.num_heads, self.num_kv_heads, self.head_dim = N, K, H
-        kw = dict(use_bias=cfg.attention_bias, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
-        self.q_proj = Linear(D, N * H, axes=("embed", "heads"), **kw)
-        self.k_proj = Linear(D, K * H, axes=("embed", "kv_heads"), **kw)
-        self.v_proj = Linear(D, K * H, axes=("embed", "kv_heads"), **kw)
-        self.o_proj = Linear(N * H, D, axes=("heads", "embed"), **kw)
-        if cfg.qk_norm:
-            self.q_norm = RMSNorm(H, eps=cfg.rms_norm_eps, axis_name="head_dim", param_dtype=param_dtype)
-            self.k_norm = RMSNorm(H, eps=cfg.rms_norm_eps, axis_name="head_dim", param_dtype=param_dtype)
-        else:
-            self.q_norm = self.k_norm = nnx.data(None)
-
-    def __call__(
-        self,
-        x: jax.Array,
-        cos: jax.Array,
-        sin: jax.Array,
-        mask: jax.Array,
-        cache: KVCache | None,
-        layer: int,
-        slots: jax.Array | None,
-    ) -> tuple[jax.Array, KVCache | None]:
-        B, T, _ = x.shape
-        N, K, H = self.num_heads, self.num_kv_heads, self.head_dim
-        q = self.q_proj(x).reshape(B, T, N, H)  # [B, T, N, H]
-        k = self.k_proj(x).reshape(B, T, K, H)  # [B, T, K, H]
-        v = self.v_proj(x).reshape(B, T, K, H)  # [B, T, K, H]
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if cache is not None:  # write this call's keys at each row's slots, attend over the whole cache
-            cache = cache.write(layer, slots, k, v)
-            k, v = cache.k[layer], cache.v[layer]  # [B, K, S, H]
-        else:
-            k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, T, H]
-        out = attention(q, k, v, mask, causal=cache is None).reshape(B, T, N * H)  # [B, T, N*H]
-        return self.o_proj(out), cache
-
-
-class MLP(nnx.Module):
-    def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs, dtype: Any, param_dtype: Any):
-        D, F = cfg.hidden_size, cfg.intermediate_size
-        kw = dict(use_bias=cfg.mlp_bias, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
-        self.gate_proj = Linear(D, F, axes=("embed", "mlp"), **kw)
-        self.up_proj = Linear(D, F, axes=("embed", "mlp"), **kw)
-        self.down_proj = Linear(F, D, axes=("mlp", "embed"), **kw)
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: LlamaConfig, *, rngs: nnx.Rngs, dtype: Any, param_dtype: Any):
-        norm = dict(eps=cfg.rms_norm_eps, param_dtype=param_dtype)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, **norm)
-        self.self_attn = Attention(cfg, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, **norm)
-        self.mlp = MLP(cfg, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
-
-    def __call__(self, x, cos, sin, mask, cache, layer, slots):
-        h, cache = self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, layer, slots)
-        x = x + h
-        x = x + self.mlp(self.post_attention_layernorm(x))
-        return x, cache
-
-
-def segment_positions(segment_ids: jax.Array) -> jax.Array:
-    """Position of each token inside its segment: [1,1,1,2,2,0] -> [0,1,2,0,1,0]. [B, T] -> [B, T]."""
-    T = segment_ids.shape[1]
-    idx = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), segment_ids.shape)
-    prev = jnp.pad(segment_ids[:, :-1], ((0, 0), (1, 0)), constant_values=-1)
-    start = jax.lax.cummax(jnp.where(segment_ids != prev, idx, 0), axis=1)
-    return idx - start
-
-
-class Llama(nnx.Module):
-    """Pre-norm decoder: embed -> L × (attn + SwiGLU) -> RMSNorm -> LM head (tied or not)."""
+class Llama(DecoderLM):
+    """Pre-norm decoder: embed -> L × (GQA attention + SwiGLU) -> RMSNorm -> LM head (tied or not)."""
 
     def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs, dtype: Any = jnp.float32,
                  param_dtype: Any = jnp.float32):
         self.config = config
         self.dtype, self.param_dtype = dtype, param_dtype
         kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
-        self.embed_tokens = Embed(config.vocab_size, config.hidden_size, **kw)
-        self.layers = nnx.List([DecoderLayer(config, **kw) for _ in range(config.num_hidden_layers)])
-        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, param_dtype=param_dtype)
-        if config.tie_word_embeddings:
+        c = config
+        self.embed_tokens = Embed(c.vocab_size, c.hidden_size, **kw)
+        self.layers = nnx.List([
+            DecoderLayer(
+                GQAttention(hidden_size=c.hidden_size, num_heads=c.num_attention_heads,
+                            num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps,
+                            qkv_bias=c.attention_bias, o_bias=c.attention_bias, qk_norm=c.qk_norm, **kw),
+                MLP(c.hidden_size, c.intermediate_size, use_bias=c.mlp_bias, **kw),
+                hidden_size=c.hidden_size, rms_norm_eps=c.rms_norm_eps, param_dtype=param_dtype)
+            for _ in range(c.num_hidden_layers)
+        ])
+        self.norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps, param_dtype=param_dtype)
+        if c.tie_word_embeddings:
             self.lm_head = nnx.data(None)
         else:
-            self.lm_head = Linear(config.hidden_size, config.vocab_size, axes=("embed", "vocab"), **kw)
+            self.lm_head = Linear(c.hidden_size, c.vocab_size, axes=("embed", "vocab"), **kw)
 
-    def __call__(
-        self,
-        input_ids: jax.Array,
-        *,
-        positions: jax.Array | None = None,
-        segment_ids: jax.Array | None = None,
-        cache: KVCache | None = None,
-        return_hidden: tuple[int, ...] = (),
-    ):
-        """input_ids [B, T] -> logits [B, T, V] (+ new cache if `cache`) (+ hidden list if `return_hidden`).
+    def rope(self, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+        c = self.config
+        inv_freq, scaling = rope_frequencies(c.head_dim, c.rope_theta, c.rope_scaling, c.max_position_embeddings)
+        return rope_cos_sin(positions, inv_freq, self.dtype, scaling)  # [B, T, H] each, shared by all layers
 
-        Without a cache, `segment_ids` [B, T] packs sequences: tokens attend causally within equal
-        nonzero ids (0 = padding) and default positions restart at every segment. With a cache, the
-        T tokens are written at slots length..length+T-1 of each row, `segment_ids != 0` marks which
-        of them are valid keys, default positions are the slots, and the new cache has length + T.
-        `return_hidden` indices: i in [0, L) = output of decoder layer i; -1 or L = final normed hidden.
-        """
-        cfg = self.config
-        B, T = input_ids.shape
-        L = cfg.num_hidden_layers
-        wanted = {L if i == -1 else i for i in return_hidden}
-        if any(not 0 <= i <= L for i in wanted):
-            raise ValueError(f"return_hidden {return_hidden}: indices must be in [0, {L}] or -1")
-        valid = jnp.ones((B, T), bool) if segment_ids is None else segment_ids != 0
 
-        if cache is None:
-            seg = jnp.ones((B, T), jnp.int32) if segment_ids is None else segment_ids
-            if positions is None:
-                positions = segment_positions(seg)
-            causal = jnp.tril(jnp.ones((T, T), bool))
-            mask = causal[None] & (seg[:, :, None] == seg[:, None, :]) & valid[:, :, None]  # [B, T, T]
-            slots = None
-        else:
-            slots = cache.length[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]  # [B, T]
-            if positions is None:
-                positions = slots
-            cache = cache.advance(slots, valid)
-            keys = jnp.arange(cache.max_len, dtype=jnp.int32)
-            mask = cache.valid[:, None, :] & (keys[None, None, :] <= slots[:, :, None])  # [B, T, S]
-
-        inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-        cos, sin = rope_cos_sin(positions, inv_freq, self.dtype)  # [B, T, H], once for all layers
-        x = self.embed_tokens(input_ids)  # [B, T, D]
-        hidden: dict[int, jax.Array] = {}
-        for i, layer in enumerate(self.layers):
-            x, cache = layer(x, cos, sin, mask, cache, i, slots)
-            if i in wanted:
-                hidden[i] = x
-        x = self.norm(x)
-        hidden[L] = x
-        logits = self.embed_tokens.attend(x) if self.lm_head is None else self.lm_head(x)  # [B, T, V]
-
-        out: tuple = (logits,)
-        if cache is not None:
-            out += (cache,)
-        if return_hidden:
-            out += ([hidden[L if i == -1 else i] for i in return_hidden],)
-        return out[0] if len(out) == 1 else out
+FAMILY = (LlamaConfig, Llama)

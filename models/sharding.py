@@ -1,12 +1,13 @@
 """Logical-axis sharding: a rule table from logical names to mesh axes, and model placement on a mesh.
 
 Every parameter carries logical axis names in its `out_sharding` metadata (models/layers.py):
-"vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "norm"; activations use "batch" and
-"length". RULES maps each to a mesh axis of ("data", "fsdp", "tensor") or None (replicated), in
+"vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "norm", "expert" (the stacked-experts
+axis of MoE weights), "q_lora" / "kv_lora" (MLA's low-rank widths); activations use "batch" and
+"length". RULES maps each to a mesh axis of ("data", "fsdp", "tensor", "expert") or None (replicated), in
 the style of MaxText's logical_axis_rules. A dimension that the mapped mesh axes do not divide is
 replicated instead (logged), so tiny test models place on any mesh.
 
-    mesh = make_mesh(fsdp=2, tensor=4)
+    mesh = make_mesh(fsdp=2, tensor=2, expert=2)
     shard_model(model, mesh)                       # in place
     batch = jax.device_put(ids, named_sharding(mesh, ("batch", "length")))
 """
@@ -24,7 +25,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 log = logging.getLogger(__name__)
 
-MESH_AXES = ("data", "fsdp", "tensor")
+MESH_AXES = ("data", "fsdp", "tensor", "expert")
 MeshAxes = str | tuple[str, ...] | None
 
 RULES: dict[str, MeshAxes] = {
@@ -37,19 +38,22 @@ RULES: dict[str, MeshAxes] = {
     "head_dim": None,
     "mlp": "tensor",
     "norm": None,
+    "expert": "expert",
+    "q_lora": None,
+    "kv_lora": None,
 }
 
 
 def make_mesh(
-    data: int = 1, fsdp: int | None = None, tensor: int = 1, devices: Sequence | None = None
+    data: int = 1, fsdp: int | None = None, tensor: int = 1, devices: Sequence | None = None, expert: int = 1
 ) -> Mesh:
-    """A (data, fsdp, tensor) mesh; fsdp defaults to whatever devices remain."""
+    """A (data, fsdp, tensor, expert) mesh; fsdp defaults to whatever devices remain."""
     devices = list(devices if devices is not None else jax.devices())
-    fsdp = fsdp if fsdp is not None else len(devices) // (data * tensor)
-    n = data * fsdp * tensor
+    fsdp = fsdp if fsdp is not None else len(devices) // (data * tensor * expert)
+    n = data * fsdp * tensor * expert
     if n != len(devices):
-        raise ValueError(f"mesh {data}x{fsdp}x{tensor} needs {n} devices, have {len(devices)}")
-    return Mesh(np.asarray(devices).reshape(data, fsdp, tensor), MESH_AXES)
+        raise ValueError(f"mesh {data}x{fsdp}x{tensor}x{expert} needs {n} devices, have {len(devices)}")
+    return Mesh(np.asarray(devices).reshape(data, fsdp, tensor, expert), MESH_AXES)
 
 
 def logical_to_spec(names: Sequence[str | None], rules: Mapping[str, MeshAxes] = RULES,

@@ -55,3 +55,57 @@ def hf_logits(model, ids: np.ndarray, attention_mask: np.ndarray | None = None) 
 def rel_err(a, b) -> float:
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+
+
+# ------------------------------------------------------------------------------------------------
+# Shared by the MoE / MLA family parity tests
+# ------------------------------------------------------------------------------------------------
+
+ROTARY_BUFFERS = ("inv_freq", "original_inv_freq")
+
+
+def perturb(model, seed: int = 0, scale: float = 0.5):
+    """Move every tensor that inits to a constant away from it, so that it matters in a parity test:
+    norms ~ N(1, 0.2); biases, sinks and e_score_correction_bias ~ N(0, scale · 0.1 .. scale).
+    Random matrices keep their transformers init. Returns the model."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in list(model.named_parameters()) + list(model.named_buffers()):
+            if name.rsplit(".", 1)[-1] in ROTARY_BUFFERS or not p.is_floating_point():
+                continue
+            if "norm" in name and p.ndim == 1:
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
+            elif name.endswith(("bias", "sinks", "e_score_correction_bias")):
+                p.copy_(scale * torch.randn(p.shape, generator=g))
+    return model
+
+
+def build_from_config(config: transformers.PretrainedConfig, seed: int = 0) -> transformers.PreTrainedModel:
+    """An fp32 eager transformers model from `config`, perturbed (see `perturb`)."""
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager",
+                                                         dtype=torch.float32).eval()
+    return perturb(model, seed)
+
+
+def decode_logits(model, ids: np.ndarray, split: int) -> np.ndarray:
+    """Logits [B, T, V] from a prefill of ids[:, :split] then one token at a time through the KV cache."""
+    import jax.numpy as jnp
+
+    from models import KVCache
+
+    B, T = ids.shape
+    logits, cache = model(jnp.asarray(ids[:, :split]), cache=KVCache.init(model.config, B, T, model.dtype))
+    out = [np.asarray(logits)]
+    for t in range(split, T):
+        step, cache = model(jnp.asarray(ids[:, t:t + 1]), cache=cache)
+        out.append(np.asarray(step))
+    return np.concatenate(out, axis=1)
+
+
+def hf_reload_logits(path: str, ids: np.ndarray, attention_mask: np.ndarray | None = None) -> np.ndarray:
+    """Load a folder we wrote with transformers (eager, fp32) and return its logits."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager",
+                                                             dtype=torch.float32).eval()
+    return hf_logits(model, ids, attention_mask)

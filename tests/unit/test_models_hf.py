@@ -48,12 +48,13 @@ def test_config_legacy_and_v5_spellings_agree():
     assert a == b and hash(a) == hash(b)
     assert a.head_dim == 8 and a.rope_scaling["rope_type"] == "llama3" and a.eos_token_id == (5, 6)
     assert LlamaConfig.from_hf(a.to_hf()) == a
-    with pytest.raises(NotImplementedError, match="yarn"):
-        LlamaConfig.from_hf({**v5, "rope_parameters": {"rope_type": "yarn", "factor": 4.0}})
+    with pytest.raises(NotImplementedError, match="longrope"):
+        LlamaConfig.from_hf({**v5, "rope_parameters": {"rope_type": "longrope", "factor": 4.0}})
 
 
 def test_registry_keys():
-    assert set(ARCHITECTURES) == {"LlamaForCausalLM", "Qwen3ForCausalLM"}
+    assert set(ARCHITECTURES) == {"LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
+                                  "DeepseekV3ForCausalLM", "GptOssForCausalLM", "Glm4MoeForCausalLM"}
     cfg = LlamaConfig.qwen3_tiny(64)
     d = cfg.to_hf()
     assert d["model_type"] == "qwen3" and d["architectures"] == ["Qwen3ForCausalLM"]
@@ -137,17 +138,38 @@ def test_missing_tensor_and_wrong_shape(saved, tmp_path):
     name = "model.layers.0.mlp.up_proj.weight"
     kept = {k: v for k, v in tensors.items() if k != name}
     safetensors.numpy.save_file(kept, str(bad / "model.safetensors"))
-    with pytest.raises(ValueError, match=rf"model\.safetensors.*missing tensor {name}"):
+    with pytest.raises(ValueError, match=rf"model\.safetensors: tensors do not match Llama: 1 missing: {name}$"):
         from_pretrained(str(bad))
     tensors[name] = np.zeros((3, 3), np.float32)
     safetensors.numpy.save_file(tensors, str(bad / "model.safetensors"))
-    with pytest.raises(ValueError, match=rf"model\.safetensors: tensor {name} has shape \[3, 3\], expected"):
+    with pytest.raises(ValueError, match=rf"model\.safetensors: .*1 mis-shaped: {name} \[3, 3\] \(expected"):
         from_pretrained(str(bad))
+
+
+def test_every_mismatch_is_listed_in_one_error(saved, tmp_path):
+    """Missing, unexpected and mis-shaped tensors together: one line names them all."""
+    _, path = saved
+    tensors = safetensors.numpy.load_file(str(path / "model.safetensors"))
+    gone = ["model.layers.0.mlp.up_proj.weight", "model.layers.0.self_attn.v_proj.weight"]
+    for n in gone:
+        del tensors[n]
+    tensors["model.layers.0.mlp.down_proj.weight"] = np.zeros((2, 2), np.float32)
+    tensors["model.layers.7.mlp.extra.weight"] = np.zeros((2,), np.float32)
+    bad = copy_ckpt(path, tmp_path / "mismatch")
+    safetensors.numpy.save_file(tensors, str(bad / "model.safetensors"))
+    with pytest.raises(ValueError) as e:
+        from_pretrained(str(bad))
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith(str(bad / "model.safetensors"))
+    assert f"2 missing: {gone[0]}, {gone[1]}" in msg
+    assert "1 unexpected: model.layers.7.mlp.extra.weight" in msg
+    assert "1 mis-shaped: model.layers.0.mlp.down_proj.weight [2, 2]" in msg
 
 
 def test_no_weights_or_unknown_architecture(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
-    with pytest.raises(ValueError, match="GPT2LMHeadModel"):
+    with pytest.raises(ValueError, match=r"config\.json: architectures \['GPT2LMHeadModel'\] is not supported "
+                                         r"\(supported: LlamaForCausalLM, .*DeepseekV3ForCausalLM, GptOssForCausalLM"):
         from_pretrained(str(tmp_path))
     (tmp_path / "config.json").write_text(json.dumps(LlamaConfig.tiny(64).to_hf()))
     with pytest.raises(ValueError, match="no model.safetensors"):

@@ -53,8 +53,8 @@ def test_rule_table_maps_logical_names():
     assert logical_to_spec(("batch", "length")) == P(("data", "fsdp"), None)
     assert logical_to_spec(("norm",)) == P(None)
     assert set(RULES) >= {"vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "norm"}
-    with pytest.raises(KeyError, match="experts"):
-        logical_to_spec(("experts",))
+    with pytest.raises(KeyError, match="experts_typo"):
+        logical_to_spec(("experts_typo",))
 
 
 def test_shard_model_on_8_fake_devices():

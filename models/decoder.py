@@ -1,0 +1,246 @@
+"""The decoder skeleton every family shares: masks, positions and the KV cache for one call, the
+grouped-query attention block (Llama, Qwen3, Qwen3-MoE, GLM-4.5, GPT-OSS), the SwiGLU MLP, the
+pre-norm decoder layer and the causal-LM forward.
+
+Mirrors /work/shared/reference/architectures.md §2 (pre-norm skeleton, GQA, masks, tied heads),
+§2.3 (sliding window = W keys including the current token), §4.1 (QK-norm before RoPE), §8.3
+(sinks) and §9.2 (q/k/v bias without an o bias, partial rotary).
+
+A family file (models/llama.py, models/qwen3_moe.py, models/gpt_oss.py, ...) builds its layers
+from these pieces and subclasses `DecoderLM`, providing `rope(positions)` (the rotary tables its
+attention blocks read from `ctx.rope`) and, through its config, `layer_window(i)` (None for full
+attention, W for a sliding-window layer).
+
+Shape legend: B batch, T query length, S key length (cache length when decoding), D model width,
+N query heads, K kv heads, H head dim, F ffn width, V vocab, L layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models.generate import KVCache
+from models.layers import Embed, Linear, RMSNorm, apply_rope, attention, param
+
+# ------------------------------------------------------------------------------------------------
+# Per-call context: positions, masks (full and per sliding window), cache slots, rotary tables
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Context:
+    positions: jax.Array  # [B, T] rotary positions
+    slots: jax.Array | None  # [B, T] cache slots of this call's tokens (None without a cache)
+    causal: bool  # True without a cache: the keys are this call's own queries
+    masks: dict[int | None, jax.Array]  # window (None = full attention) -> [B, T, S] bool
+    rope: Any = None  # family-specific rotary tables, e.g. (cos, sin)
+
+    def mask(self, window: int | None = None) -> jax.Array:
+        return self.masks[window]
+
+
+def segment_positions(segment_ids: jax.Array) -> jax.Array:
+    """Position of each token inside its segment: [1,1,1,2,2,0] -> [0,1,2,0,1,0]. [B, T] -> [B, T]."""
+    T = segment_ids.shape[1]
+    idx = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), segment_ids.shape)
+    prev = jnp.pad(segment_ids[:, :-1], ((0, 0), (1, 0)), constant_values=-1)
+    start = jax.lax.cummax(jnp.where(segment_ids != prev, idx, 0), axis=1)
+    return idx - start
+
+
+def build_context(
+    T: int, B: int, *, positions: jax.Array | None, segment_ids: jax.Array | None, cache: KVCache | None,
+    windows: set[int | None],
+) -> tuple[Context, KVCache | None]:
+    """Masks and positions for one forward call (see DecoderLM.__call__ for the semantics).
+
+    A sliding window W keeps key j for query i iff i - j < W (W keys including the current one),
+    counted in token slots: within a packed segment, or in cache slots when decoding.
+    """
+    valid = jnp.ones((B, T), bool) if segment_ids is None else segment_ids != 0
+    if cache is None:
+        seg = jnp.ones((B, T), jnp.int32) if segment_ids is None else segment_ids
+        if positions is None:
+            positions = segment_positions(seg)
+        q_idx = jnp.arange(T, dtype=jnp.int32)[None, :, None]  # [1, T, 1]
+        k_idx = jnp.arange(T, dtype=jnp.int32)[None, None, :]  # [1, 1, T]
+        base = (k_idx <= q_idx) & (seg[:, :, None] == seg[:, None, :]) & valid[:, :, None]  # [B, T, T]
+        slots = None
+    else:
+        slots = cache.length[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]  # [B, T]
+        if positions is None:
+            positions = slots
+        cache = cache.advance(slots, valid)
+        q_idx = slots[:, :, None]  # [B, T, 1]
+        k_idx = jnp.arange(cache.max_len, dtype=jnp.int32)[None, None, :]  # [1, 1, S]
+        base = cache.valid[:, None, :] & (k_idx <= q_idx)  # [B, T, S]
+    masks = {w: base if w is None else base & (q_idx - k_idx < w) for w in windows | {None}}
+    return Context(positions=positions, slots=slots, causal=cache is None, masks=masks), cache
+
+
+# ------------------------------------------------------------------------------------------------
+# Attention (GQA with the optional pieces of every non-MLA family) and the SwiGLU MLP
+# ------------------------------------------------------------------------------------------------
+
+
+class GQAttention(nnx.Module):
+    """q/k/v/o projections, optional q/k/v bias and o bias, per-head QK-norm before RoPE, learned
+    sinks, (partial) NeoX RoPE from `ctx.rope = (cos, sin)`, GQA attention over `ctx.mask(window)`."""
+
+    def __init__(
+        self, *, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, rms_norm_eps: float,
+        qkv_bias: bool = False, o_bias: bool = False, qk_norm: bool = False, sinks: bool = False,
+        rngs: nnx.Rngs, dtype: Any, param_dtype: Any,
+    ):
+        D, N, K, H = hidden_size, num_heads, num_kv_heads, head_dim
+        if N % K:
+            raise ValueError(f"num_attention_heads {N} is not a multiple of num_key_value_heads {K}")
+        self.num_heads, self.num_kv_heads, self.head_dim = N, K, H
+        kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.q_proj = Linear(D, N * H, axes=("embed", "heads"), use_bias=qkv_bias, **kw)
+        self.k_proj = Linear(D, K * H, axes=("embed", "kv_heads"), use_bias=qkv_bias, **kw)
+        self.v_proj = Linear(D, K * H, axes=("embed", "kv_heads"), use_bias=qkv_bias, **kw)
+        self.o_proj = Linear(N * H, D, axes=("heads", "embed"), use_bias=o_bias, **kw)
+        if qk_norm:
+            self.q_norm = RMSNorm(H, eps=rms_norm_eps, axis_name="head_dim", param_dtype=param_dtype)
+            self.k_norm = RMSNorm(H, eps=rms_norm_eps, axis_name="head_dim", param_dtype=param_dtype)
+        else:
+            self.q_norm = self.k_norm = nnx.data(None)
+        # raw parameters stored under their own HF name (models/hf.py reads `hf_raw`)
+        self.sinks = nnx.data(param(jnp.zeros((N,), param_dtype), ("heads",)) if sinks else None)
+        self.hf_raw = ("sinks",) if sinks else ()
+
+    def __call__(
+        self, x: jax.Array, ctx: Context, cache: KVCache | None, layer: int, window: int | None = None
+    ) -> tuple[jax.Array, KVCache | None]:
+        B, T, _ = x.shape
+        N, K, H = self.num_heads, self.num_kv_heads, self.head_dim
+        q = self.q_proj(x).reshape(B, T, N, H)  # [B, T, N, H]
+        k = self.k_proj(x).reshape(B, T, K, H)  # [B, T, K, H]
+        v = self.v_proj(x).reshape(B, T, K, H)  # [B, T, K, H]
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = ctx.rope
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is not None:  # write this call's keys at each row's slots, attend over the whole cache
+            cache = cache.write(layer, ctx.slots, k, v)
+            k, v = cache.k[layer], cache.v[layer]  # [B, K, S, H]
+        else:
+            k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, T, H]
+        sinks = None if self.sinks is None else self.sinks[...]
+        out = attention(q, k, v, ctx.mask(window), causal=ctx.causal, sinks=sinks)  # [B, T, N, H]
+        return self.o_proj(out.reshape(B, T, N * H)), cache
+
+
+class MLP(nnx.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)); gate/up [D, F], down [F, D]."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, *, use_bias: bool = False, rngs: nnx.Rngs,
+                 dtype: Any, param_dtype: Any):
+        D, F = hidden_size, intermediate_size
+        kw = dict(use_bias=use_bias, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.gate_proj = Linear(D, F, axes=("embed", "mlp"), **kw)
+        self.up_proj = Linear(D, F, axes=("embed", "mlp"), **kw)
+        self.down_proj = Linear(F, D, axes=("mlp", "embed"), **kw)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nnx.Module):
+    """x + attn(norm(x)), then + mlp(norm(x)). `window` is None (full attention) or the sliding width."""
+
+    def __init__(self, self_attn: nnx.Module, mlp: nnx.Module, *, hidden_size: int, rms_norm_eps: float,
+                 param_dtype: Any, window: int | None = None, norm_weight_in_fp32: bool = False):
+        norm = dict(eps=rms_norm_eps, param_dtype=param_dtype, weight_in_fp32=norm_weight_in_fp32)
+        self.input_layernorm = RMSNorm(hidden_size, **norm)
+        self.self_attn = self_attn
+        self.post_attention_layernorm = RMSNorm(hidden_size, **norm)
+        self.mlp = mlp
+        self.window = window
+
+    def __call__(self, x: jax.Array, ctx: Context, cache: KVCache | None, layer: int):
+        h, cache = self.self_attn(self.input_layernorm(x), ctx, cache, layer, self.window)
+        x = x + h
+        x = x + self.mlp(self.post_attention_layernorm(x))
+        return x, cache
+
+
+# ------------------------------------------------------------------------------------------------
+# The causal LM forward shared by every family
+# ------------------------------------------------------------------------------------------------
+
+
+class DecoderLM(nnx.Module):
+    """embed -> L × layer -> RMSNorm -> LM head (tied when `lm_head` is None).
+
+    Subclasses set `config` (with `num_hidden_layers`, `vocab_size`, `hidden_size`), `dtype`,
+    `param_dtype`, `embed_tokens`, `layers` (the first `num_hidden_layers` entries are the main
+    stack; DeepSeek/GLM keep their MTP layers after them), `norm`, `lm_head`, and implement
+    `rope(positions)`.
+    """
+
+    config: Any
+    embed_tokens: Embed
+    layers: nnx.List
+    norm: RMSNorm
+    lm_head: Linear | None
+
+    def rope(self, positions: jax.Array) -> Any:  # pragma: no cover - every family overrides it
+        raise NotImplementedError
+
+    def layer_window(self, i: int) -> int | None:
+        fn = getattr(self.config, "layer_window", None)
+        return fn(i) if fn is not None else None
+
+    def lm_logits(self, x: jax.Array) -> jax.Array:
+        """Normed hidden [B, T, D] -> logits [B, T, V]."""
+        return self.embed_tokens.attend(x) if self.lm_head is None else self.lm_head(x)
+
+    def __call__(
+        self,
+        input_ids: jax.Array,
+        *,
+        positions: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
+        cache: KVCache | None = None,
+        return_hidden: tuple[int, ...] = (),
+    ):
+        """input_ids [B, T] -> logits [B, T, V] (+ new cache if `cache`) (+ hidden list if `return_hidden`).
+
+        Without a cache, `segment_ids` [B, T] packs sequences: tokens attend causally within equal
+        nonzero ids (0 = padding) and default positions restart at every segment. With a cache, the
+        T tokens are written at slots length..length+T-1 of each row, `segment_ids != 0` marks which
+        of them are valid keys, default positions are the slots, and the new cache has length + T.
+        `return_hidden` indices: i in [0, L) = output of decoder layer i; -1 or L = final normed hidden.
+        """
+        B, T = input_ids.shape
+        L = self.config.num_hidden_layers
+        wanted = {L if i == -1 else i for i in return_hidden}
+        if any(not 0 <= i <= L for i in wanted):
+            raise ValueError(f"return_hidden {return_hidden}: indices must be in [0, {L}] or -1")
+        windows = {self.layer_window(i) for i in range(L)}
+        ctx, cache = build_context(T, B, positions=positions, segment_ids=segment_ids, cache=cache,
+                                   windows=windows)
+        ctx.rope = self.rope(ctx.positions)
+        x = self.embed_tokens(input_ids)  # [B, T, D]
+        hidden: dict[int, jax.Array] = {}
+        for i in range(L):
+            x, cache = self.layers[i](x, ctx, cache, i)
+            if i in wanted:
+                hidden[i] = x
+        x = self.norm(x)
+        hidden[L] = x
+        logits = self.lm_logits(x)  # [B, T, V]
+
+        out: tuple = (logits,)
+        if cache is not None:
+            out += (cache,)
+        if return_hidden:
+            out += ([hidden[L if i == -1 else i] for i in return_hidden],)
+        return out[0] if len(out) == 1 else out

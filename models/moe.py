@@ -1,0 +1,319 @@
+"""Mixture-of-experts: routers, stacked experts with grouped (sorted, block-sparse) dispatch, and the
+MoE block with optional shared experts — the pieces Qwen3-MoE, DeepSeek-V3/Kimi K2, GLM-4.5 and
+GPT-OSS assemble.
+
+Mirrors /work/shared/reference/architectures.md §5.1 (softmax over all experts, top-k, optional
+renormalisation), §6.6 (sigmoid scores, e_score_correction_bias for selection only, group score =
+sum of the group's top-2, −inf outside the kept groups, weights from the unbiased sigmoid,
+renormalise + 1e-20, × routed_scaling_factor, router math in fp32), §6.7 (shared experts), §8.4
+(GPT-OSS: logits + bias, top-k, softmax over the k selected logits) and §8.5 (interleaved gate/up,
+clamped SwiGLU with (up + 1), per-expert biases added before the routing weight).
+
+Dispatch scales with top-k, not with the number of experts: the T·k (token, expert) pairs are
+sorted by expert, each expert's rows are padded to a multiple of a block of rows, and every block
+is one [block, D] × [D, O] GEMM against its expert's weights (`grouped_matmul`). The work is
+≈ T·k + E·block rows whatever E is; `jax.lax.ragged_dot` does the same job with a native kernel where
+the backend has one (impl="ragged"; XLA:CPU lowers it to a dense loop over all experts).
+`Experts(..., impl="dense")` runs every token through every expert: the reference the tests and the
+benchmark compare against.
+
+Shape legend: T tokens (B·T flattened), D model, E experts, k experts per token, I expert width,
+R = T·k routed rows, G router groups.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from models.layers import INIT_STD, Buffer, param
+
+# ------------------------------------------------------------------------------------------------
+# Routers
+# ------------------------------------------------------------------------------------------------
+
+SCORINGS = ("softmax", "softmax_topk", "sigmoid")
+
+
+class Router(nnx.Module):
+    """x [T, D] -> (weights [T, k] fp32, experts [T, k] int32, logits [T, E]).
+
+    scoring:
+      "softmax"       Qwen3-MoE: softmax over all E in fp32, top-k, optional renormalisation.
+      "softmax_topk"  GPT-OSS: logits = x Wᵀ + bias, top-k logits, softmax over those k only.
+      "sigmoid"       DeepSeek-V3 / Kimi K2 / GLM-4.5: fp32 logits, sigmoid, + e_score_correction_bias
+                      to choose (group-limited), weights from the unbiased sigmoid, renormalised,
+                      × routed_scaling_factor.
+    HF tensors: `<prefix>.weight` [E, D] and `<prefix>.bias` or `<prefix>.e_score_correction_bias` [E].
+    """
+
+    def __init__(
+        self, hidden_size: int, num_experts: int, top_k: int, *, scoring: str, norm_topk_prob: bool = False,
+        n_group: int = 1, topk_group: int = 1, routed_scaling_factor: float = 1.0, use_bias: bool = False,
+        rngs: nnx.Rngs, dtype: Any = jnp.float32, param_dtype: Any = jnp.float32,
+    ):
+        if scoring not in SCORINGS:
+            raise ValueError(f"router scoring {scoring!r} (known: {SCORINGS})")
+        if num_experts % n_group or not 1 <= topk_group <= n_group:
+            raise ValueError(f"n_group {n_group} / topk_group {topk_group} do not fit {num_experts} experts")
+        if top_k > num_experts:
+            raise ValueError(f"num_experts_per_tok {top_k} > {num_experts} experts")
+        self.num_experts, self.top_k, self.scoring = num_experts, top_k, scoring
+        self.norm_topk_prob, self.n_group, self.topk_group = norm_topk_prob, n_group, topk_group
+        self.routed_scaling_factor = routed_scaling_factor
+        self.dtype = dtype
+        sigmoid = scoring == "sigmoid"
+        wdtype = jnp.float32 if sigmoid else param_dtype  # DeepSeek keeps the router in fp32
+        init = nnx.initializers.normal(INIT_STD)
+        self.weight = param(init(rngs.params(), (num_experts, hidden_size), wdtype), (None, "embed"))
+        self.bias = nnx.data(param(jnp.zeros((num_experts,), param_dtype), (None,)) if use_bias else None)
+        self.e_score_correction_bias = nnx.data(
+            param(jnp.zeros((num_experts,), jnp.float32), (None,), Buffer) if sigmoid else None)
+        self.hf_raw = ("weight", "e_score_correction_bias") if sigmoid else ("weight", "bias") if use_bias \
+            else ("weight",)
+
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        k = self.top_k
+        if self.scoring == "sigmoid":
+            logits = x.astype(jnp.float32) @ self.weight[...].astype(jnp.float32).T  # [T, E] fp32
+            scores = jax.nn.sigmoid(logits)
+            choice = scores + self.e_score_correction_bias[...]
+            if self.n_group > 1:
+                T, E, G = x.shape[0], self.num_experts, self.n_group
+                grouped = choice.reshape(T, G, E // G)
+                group_score = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)  # [T, G] sum of the top-2
+                _, keep = jax.lax.top_k(group_score, self.topk_group)  # [T, topk_group]
+                group_mask = jnp.zeros((T, G), bool).at[jnp.arange(T)[:, None], keep].set(True)
+                choice = jnp.where(jnp.repeat(group_mask, E // G, axis=1), choice, -jnp.inf)
+            _, idx = jax.lax.top_k(choice, k)  # [T, k]
+            w = jnp.take_along_axis(scores, idx, axis=-1)  # unbiased scores
+            if self.norm_topk_prob:
+                w = w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20)
+            return w * self.routed_scaling_factor, idx.astype(jnp.int32), logits
+        xd = x.astype(self.dtype)
+        logits = xd @ self.weight[...].astype(self.dtype).T  # [T, E]
+        if self.scoring == "softmax_topk":
+            if self.bias is not None:
+                logits = logits + self.bias[...].astype(self.dtype)
+            vals, idx = jax.lax.top_k(logits, k)
+            return jax.nn.softmax(vals, axis=-1).astype(jnp.float32), idx.astype(jnp.int32), logits
+        probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+        w, idx = jax.lax.top_k(probs, k)
+        if self.norm_topk_prob:
+            w = w / jnp.sum(w, axis=-1, keepdims=True)
+        return w.astype(logits.dtype).astype(jnp.float32), idx.astype(jnp.int32), logits
+
+
+# ------------------------------------------------------------------------------------------------
+# Grouped matmul: rows sorted by expert, padded per expert to whole blocks, one GEMM per block
+# ------------------------------------------------------------------------------------------------
+
+
+def block_rows(rows: int, num_experts: int) -> int:
+    """Rows per block: about the mean rows per expert, as a power of two in [32, 256]."""
+    mean = max(1, -(-rows // num_experts))
+    return int(min(256, max(32, 1 << int(np.ceil(np.log2(mean))))))
+
+
+def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, impl: str = "blocked") -> jax.Array:
+    """x [R, D] sorted by group, w [E, D, O], group_sizes [E] (sum R) -> [R, O]: row r of group e
+    is x[r] @ w[e].
+
+    "blocked": each group's rows go to their own run of `block` rows (zero-padded), the blocks run
+    as a `lax.map` of [block, D] × [D, O] GEMMs, and the rows are gathered back. Cost and memory
+    grow with R + E·block, not with E·R. "ragged": `jax.lax.ragged_dot`.
+    """
+    if impl == "ragged":
+        return jax.lax.ragged_dot(x, w.astype(x.dtype), group_sizes)
+    if impl != "blocked":
+        raise ValueError(f"grouped_matmul impl {impl!r} (known: blocked, ragged)")
+    R, D = x.shape
+    E, _, O = w.shape
+    block = block_rows(R, E)
+    nb = -(-R // block) + E  # upper bound: each group wastes less than one block
+    blocks_per = (group_sizes + block - 1) // block  # [E]
+    block_end = jnp.cumsum(blocks_per)  # [E]
+    row_start = jnp.cumsum(group_sizes) - group_sizes  # [E]
+    gid = jnp.repeat(jnp.arange(E, dtype=jnp.int32), group_sizes, total_repeat_length=R)  # [R]
+    dest = (block_end - blocks_per)[gid] * block + jnp.arange(R, dtype=jnp.int32) - row_start[gid]  # [R]
+    buf = jnp.zeros((nb * block, D), x.dtype).at[dest].set(x, unique_indices=True)  # [nb*block, D]
+    block_expert = jnp.minimum(jnp.searchsorted(block_end, jnp.arange(nb), side="right"), E - 1)  # [nb]
+    wx = w.astype(x.dtype)
+
+    def one_block(args):
+        xb, e = args  # [block, D], scalar
+        return xb @ jax.lax.dynamic_index_in_dim(wx, e, keepdims=False)  # [block, O]
+
+    out = jax.lax.map(one_block, (buf.reshape(nb, block, D), block_expert))  # [nb, block, O]
+    return out.reshape(nb * block, O)[dest]  # [R, O]
+
+
+# ------------------------------------------------------------------------------------------------
+# Experts
+# ------------------------------------------------------------------------------------------------
+
+ACTIVATIONS = ("silu", "gpt_oss")
+HF_LAYOUTS = ("per_expert", "gpt_oss")
+DEFAULT_IMPL = "blocked"
+
+
+class Experts(nnx.Module):
+    """E SwiGLU experts, stacked: gate_up [E, D, 2I] (gate = first I columns, up = last I), down
+    [E, I, D], optional biases gate_up_bias [E, 2I] and down_bias [E, D].
+
+    activation "silu": silu(gate) · up. "gpt_oss": gate ≤ limit, −limit ≤ up ≤ limit,
+    (up + 1) · gate · sigmoid(alpha · gate).
+    HF layout "per_expert" (Qwen3-MoE, DeepSeek, GLM on disk): `<prefix>.{e}.gate_proj.weight` [I, D],
+    `up_proj` [I, D], `down_proj` [D, I]. "gpt_oss": `<prefix>.gate_up_proj` [E, D, 2I] with gate/up
+    interleaved (even/odd columns), `gate_up_proj_bias` [E, 2I], `down_proj` [E, I, D], `down_proj_bias` [E, D].
+    """
+
+    def __init__(
+        self, num_experts: int, hidden_size: int, intermediate_size: int, *, activation: str = "silu",
+        use_bias: bool = False, hf_layout: str = "per_expert", alpha: float = 1.702, limit: float = 7.0,
+        impl: str | None = None, rngs: nnx.Rngs, dtype: Any = jnp.float32, param_dtype: Any = jnp.float32,
+    ):
+        if activation not in ACTIVATIONS or hf_layout not in HF_LAYOUTS:
+            raise ValueError(f"experts: activation {activation!r} / hf_layout {hf_layout!r}")
+        E, D, I = num_experts, hidden_size, intermediate_size
+        self.num_experts, self.hidden_size, self.intermediate_size = E, D, I
+        self.activation, self.hf_layout, self.alpha, self.limit = activation, hf_layout, alpha, limit
+        self.impl = impl or DEFAULT_IMPL
+        self.dtype = dtype
+        init = nnx.initializers.normal(INIT_STD)
+        self.gate_up = param(init(rngs.params(), (E, D, 2 * I), param_dtype), ("expert", "embed", "mlp"))
+        self.down = param(init(rngs.params(), (E, I, D), param_dtype), ("expert", "mlp", "embed"))
+        self.gate_up_bias = nnx.data(param(jnp.zeros((E, 2 * I), param_dtype), ("expert", "mlp")) if use_bias
+                                     else None)
+        self.down_bias = nnx.data(param(jnp.zeros((E, D), param_dtype), ("expert", "embed")) if use_bias else None)
+
+    # -- math ------------------------------------------------------------------------------------
+
+    def act(self, gu: jax.Array) -> jax.Array:
+        """[..., 2I] -> [..., I]."""
+        gate, up = jnp.split(gu, 2, axis=-1)
+        if self.activation == "silu":
+            return jax.nn.silu(gate) * up
+        gate = jnp.minimum(gate, self.limit)
+        up = jnp.clip(up, -self.limit, self.limit)
+        return (up + 1) * gate * jax.nn.sigmoid(gate * self.alpha)
+
+    def __call__(self, x: jax.Array, idx: jax.Array, w: jax.Array, *, impl: str | None = None) -> jax.Array:
+        """x [T, D], idx [T, k] experts, w [T, k] routing weights -> Σ_k w · expert_idx(x), [T, D]."""
+        impl = impl or self.impl
+        if impl == "dense":
+            return self._dense(x, idx, w)
+        T, k = idx.shape
+        E = self.num_experts
+        x = x.astype(self.dtype)
+        flat = idx.reshape(-1)  # [R]
+        order = jnp.argsort(flat, stable=True)  # [R] rows grouped by expert
+        token = order // k  # [R] source token of each sorted row
+        expert = flat[order]  # [R]
+        sizes = jnp.bincount(flat, length=E).astype(jnp.int32)  # [E]
+        gu = grouped_matmul(x[token], self.gate_up[...], sizes, impl=impl)  # [R, 2I]
+        if self.gate_up_bias is not None:
+            gu = gu + self.gate_up_bias[...].astype(self.dtype)[expert]
+        y = grouped_matmul(self.act(gu), self.down[...], sizes, impl=impl)  # [R, D]
+        if self.down_bias is not None:
+            y = y + self.down_bias[...].astype(self.dtype)[expert]
+        y = y * w.reshape(-1)[order][:, None].astype(y.dtype)
+        return jnp.zeros((T, self.hidden_size), y.dtype).at[token].add(y)  # [T, D]
+
+    def _dense(self, x: jax.Array, idx: jax.Array, w: jax.Array) -> jax.Array:
+        """Reference: every token through every expert, then the routing weights pick [T, D]."""
+        x = x.astype(self.dtype)
+        gu = jnp.einsum("td,edf->etf", x, self.gate_up[...].astype(self.dtype))  # [E, T, 2I]
+        if self.gate_up_bias is not None:
+            gu = gu + self.gate_up_bias[...].astype(self.dtype)[:, None, :]
+        y = jnp.einsum("eti,eid->etd", self.act(gu), self.down[...].astype(self.dtype))  # [E, T, D]
+        if self.down_bias is not None:
+            y = y + self.down_bias[...].astype(self.dtype)[:, None, :]
+        combine = jnp.zeros((x.shape[0], self.num_experts), jnp.float32)
+        combine = combine.at[jnp.arange(x.shape[0])[:, None], idx].add(w.astype(jnp.float32))  # [T, E]
+        return jnp.einsum("te,etd->td", combine.astype(y.dtype), y)
+
+    # -- HF tensors (models/hf.py) ---------------------------------------------------------------
+
+    def hf_export(self) -> dict[str, jax.Array]:
+        I = self.intermediate_size
+        gu, down = self.gate_up[...], self.down[...]
+        if self.hf_layout == "gpt_oss":
+            inter = jnp.stack([gu[..., :I], gu[..., I:]], axis=-1).reshape(gu.shape)  # gate even, up odd
+            out = {"gate_up_proj": inter, "down_proj": down}
+            if self.gate_up_bias is not None:
+                b = self.gate_up_bias[...]
+                out["gate_up_proj_bias"] = jnp.stack([b[..., :I], b[..., I:]], axis=-1).reshape(b.shape)
+                out["down_proj_bias"] = self.down_bias[...]
+            return out
+        out = {}
+        for e in range(self.num_experts):
+            out[f"{e}.gate_proj.weight"] = gu[e, :, :I].T  # [I, D]
+            out[f"{e}.up_proj.weight"] = gu[e, :, I:].T
+            out[f"{e}.down_proj.weight"] = down[e].T  # [D, I]
+        return out
+
+    def hf_import(self, get: Callable[[str, tuple[int, ...]], np.ndarray | None]) -> None:
+        E, D, I = self.num_experts, self.hidden_size, self.intermediate_size
+
+        def put(var: nnx.Variable, arr: np.ndarray | None) -> None:
+            if arr is not None:
+                var.set_value(jnp.asarray(arr, dtype=var.get_value().dtype))
+
+        if self.hf_layout == "gpt_oss":
+            gu = get("gate_up_proj", (E, D, 2 * I))
+            put(self.gate_up, None if gu is None else np.concatenate([gu[..., 0::2], gu[..., 1::2]], axis=-1))
+            put(self.down, get("down_proj", (E, I, D)))
+            if self.gate_up_bias is not None:
+                b = get("gate_up_proj_bias", (E, 2 * I))
+                put(self.gate_up_bias, None if b is None else np.concatenate([b[..., 0::2], b[..., 1::2]], -1))
+                put(self.down_bias, get("down_proj_bias", (E, D)))
+            return
+        gate_up = np.zeros((E, D, 2 * I), np.float32)
+        down = np.zeros((E, I, D), np.float32)
+        complete = True
+        for e in range(E):
+            g, u, d = (get(f"{e}.{n}.weight", s) for n, s in
+                       (("gate_proj", (I, D)), ("up_proj", (I, D)), ("down_proj", (D, I))))
+            if g is None or u is None or d is None:
+                complete = False
+                continue
+            gate_up[e, :, :I], gate_up[e, :, I:], down[e] = np.asarray(g, np.float32).T, \
+                np.asarray(u, np.float32).T, np.asarray(d, np.float32).T
+        if complete:
+            put(self.gate_up, gate_up)
+            put(self.down, down)
+
+
+# ------------------------------------------------------------------------------------------------
+# MoE block
+# ------------------------------------------------------------------------------------------------
+
+
+class MoE(nnx.Module):
+    """Σ_k w_k · expert_k(x) (+ shared experts on every token). The router lives at `router_name`
+    ("gate" for Qwen3-MoE / DeepSeek / GLM, "router" for GPT-OSS) so HF names map structurally."""
+
+    def __init__(self, router: Router, experts: Experts, shared_experts: nnx.Module | None = None,
+                 *, router_name: str = "gate"):
+        self.router_name = router_name
+        setattr(self, router_name, router)
+        self.experts = experts
+        self.shared_experts = nnx.data(shared_experts)
+
+    def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        return getattr(self, self.router_name)(x)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        lead = x.shape[:-1]
+        flat = x.reshape(-1, x.shape[-1])  # [T, D]
+        w, idx, _ = self.route(flat)
+        y = self.experts(flat, idx, w).astype(x.dtype)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(flat)
+        return y.reshape(*lead, -1)
