@@ -171,6 +171,42 @@ class DecoderLayer(nnx.Module):
         return x, cache
 
 
+class SharedHead(nnx.Module):
+    """The MTP layer's `shared_head`: its own final norm; the LM head itself is the main model's."""
+
+    def __init__(self, hidden_size: int, *, rms_norm_eps: float, param_dtype: Any):
+        self.norm = RMSNorm(hidden_size, eps=rms_norm_eps, param_dtype=param_dtype)
+
+
+class MTPLayer(DecoderLayer):
+    """A DeepSeek-V3 / GLM-4.5 multi-token-prediction layer (architectures.md §6.8, §9.4), stored
+    after the main stack at `model.layers.{L + m}`: a full decoder block plus `enorm`, `hnorm`,
+    `eh_proj` [2D -> D] and `shared_head.norm`.
+
+    For position i: u = eh_proj([enorm(embed(t_{i+1})), hnorm(h_i)]) (embedding first), then the
+    block, then shared_head.norm and the main LM head -> logits for t_{i+2}. `h_i` is the main
+    model's last decoder-layer output before its final norm (Megatron's convention; the reference
+    flags pre- vs post-norm as unverified, see DecoderLM.mtp_logits).
+    """
+
+    def __init__(self, self_attn: nnx.Module, mlp: nnx.Module, *, hidden_size: int, rms_norm_eps: float,
+                 rngs: nnx.Rngs, dtype: Any, param_dtype: Any):
+        super().__init__(self_attn, mlp, hidden_size=hidden_size, rms_norm_eps=rms_norm_eps,
+                         param_dtype=param_dtype)
+        norm = dict(eps=rms_norm_eps, param_dtype=param_dtype)
+        self.enorm = RMSNorm(hidden_size, **norm)
+        self.hnorm = RMSNorm(hidden_size, **norm)
+        self.eh_proj = Linear(2 * hidden_size, hidden_size, axes=("mlp", "embed"), rngs=rngs, dtype=dtype,
+                              param_dtype=param_dtype)
+        self.shared_head = SharedHead(hidden_size, rms_norm_eps=rms_norm_eps, param_dtype=param_dtype)
+
+    def predict(self, emb_next: jax.Array, hidden: jax.Array, ctx: Context, layer: int) -> jax.Array:
+        """emb_next, hidden [B, T, D] -> normed MTP hidden [B, T, D] (feed to the LM head)."""
+        u = self.eh_proj(jnp.concatenate([self.enorm(emb_next), self.hnorm(hidden)], axis=-1))  # [B, T, D]
+        u, _ = self(u, ctx, None, layer)
+        return self.shared_head.norm(u)
+
+
 # ------------------------------------------------------------------------------------------------
 # The causal LM forward shared by every family
 # ------------------------------------------------------------------------------------------------
@@ -201,6 +237,43 @@ class DecoderLM(nnx.Module):
     def lm_logits(self, x: jax.Array) -> jax.Array:
         """Normed hidden [B, T, D] -> logits [B, T, V]."""
         return self.embed_tokens.attend(x) if self.lm_head is None else self.lm_head(x)
+
+    # -- MTP layers (DeepSeek-V3 / GLM-4.5): kept after the main stack, usable as extra heads -----
+
+    @property
+    def num_mtp_layers(self) -> int:
+        return len(self.layers) - self.config.num_hidden_layers
+
+    def mtp_logits(self, input_ids: jax.Array, hidden: jax.Array, *, depth: int = 0,
+                   positions: jax.Array | None = None) -> jax.Array:
+        """Logits of MTP layer `depth` for the token after next: input_ids [B, T] and `hidden` [B, T, D]
+        (the main model's `return_hidden=(L - 1,)`, i.e. the last layer's output before the final
+        norm) -> [B, T - 1, V]; row i predicts t_{i+2} from h_i and t_{i+1}."""
+        L = self.config.num_hidden_layers
+        if not 0 <= depth < self.num_mtp_layers:
+            raise ValueError(f"mtp depth {depth}: the model has {self.num_mtp_layers} MTP layers")
+        B, T = input_ids.shape
+        ctx, _ = build_context(T - 1, B, positions=None if positions is None else positions[:, :-1],
+                               segment_ids=None, cache=None, windows=set())
+        ctx.rope = self.rope(ctx.positions)
+        mtp = self.layers[L + depth]
+        normed = mtp.predict(self.embed_tokens(input_ids[:, 1:]), hidden[:, :-1], ctx, L + depth)
+        return self.lm_logits(normed)  # [B, T-1, V]
+
+    def hf_extra_export(self) -> dict[str, jax.Array]:
+        """Published MTP layers carry copies of the embedding and the LM head; write them too."""
+        L, out = self.config.num_hidden_layers, {}
+        for m in range(self.num_mtp_layers):
+            out[f"model.layers.{L + m}.embed_tokens.weight"] = self.embed_tokens.weight[...]
+            head = self.embed_tokens.weight[...] if self.lm_head is None else self.lm_head.weight().T
+            out[f"model.layers.{L + m}.shared_head.head.weight"] = head
+        return out
+
+    def hf_accepts(self, name: str) -> bool:
+        """The MTP copies of the embedding / LM head (identical to the main ones in published checkpoints)."""
+        L = self.config.num_hidden_layers
+        copies = ("embed_tokens.weight", "shared_head.head.weight")
+        return any(name == f"model.layers.{L + m}.{c}" for m in range(self.num_mtp_layers) for c in copies)
 
     def __call__(
         self,

@@ -381,9 +381,12 @@ def from_pretrained(path_or_url: str, *, dtype: Any = jnp.float32) -> nnx.Module
         cfg_dict = load_config(folder)
         config_cls, model_cls = registry.resolve(cfg_dict, config_path)
         config = config_cls.from_hf(cfg_dict)
+        tensors: Mapping[str, np.ndarray] = SafetensorsCheckpoint(folder)
+        for_checkpoint = getattr(config, "for_checkpoint", None)
+        if for_checkpoint is not None:  # e.g. how many MTP layers the files actually hold
+            config = for_checkpoint(set(tensors))
         model = nnx.eval_shape(lambda: model_cls(config, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=dtype))
         qcfg = cfg_dict.get("quantization_config") or {}
-        tensors: Mapping[str, np.ndarray] = SafetensorsCheckpoint(folder)
         method = qcfg.get("quant_method")
         if method in ("fp8", "mxfp4"):
             block = tuple(qcfg.get("weight_block_size") or (128, 128))
