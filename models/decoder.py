@@ -185,8 +185,8 @@ class MTPLayer(DecoderLayer):
 
     For position i: u = eh_proj([enorm(embed(t_{i+1})), hnorm(h_i)]) (embedding first), then the
     block, then shared_head.norm and the main LM head -> logits for t_{i+2}. `h_i` is the main
-    model's last decoder-layer output before its final norm (Megatron's convention; the reference
-    flags pre- vs post-norm as unverified, see DecoderLM.mtp_logits).
+    model's final-normed hidden state, as transformers 5.24's MTP drafting (`MTPCandidateGenerator`
+    feeding `MtpModel` with `hidden_states[-1]`) does; the tests check this against `MtpModel`.
     """
 
     def __init__(self, self_attn: nnx.Module, mlp: nnx.Module, *, hidden_size: int, rms_norm_eps: float,
@@ -247,8 +247,9 @@ class DecoderLM(nnx.Module):
     def mtp_logits(self, input_ids: jax.Array, hidden: jax.Array, *, depth: int = 0,
                    positions: jax.Array | None = None) -> jax.Array:
         """Logits of MTP layer `depth` for the token after next: input_ids [B, T] and `hidden` [B, T, D]
-        (the main model's `return_hidden=(L - 1,)`, i.e. the last layer's output before the final
-        norm) -> [B, T - 1, V]; row i predicts t_{i+2} from h_i and t_{i+1}."""
+        (the main model's `return_hidden=(-1,)`: its final-normed hidden states) -> [B, T - 1, V];
+        row i predicts t_{i+2} from h_i and t_{i+1}. Rotary positions default to 0..T-2 (transformers
+        uses 1..T-1; without a cache only position differences matter, so the logits are the same)."""
         L = self.config.num_hidden_layers
         if not 0 <= depth < self.num_mtp_layers:
             raise ValueError(f"mtp depth {depth}: the model has {self.num_mtp_layers} MTP layers")

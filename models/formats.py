@@ -92,7 +92,8 @@ class DequantizingCheckpoint(Mapping):
 
     def shape(self, name: str) -> tuple[int, ...]:
         if name in self.mxfp4:
-            b = self.base.shape(self.mxfp4[name][0]) if hasattr(self.base, "shape") else self[name].shape
+            blocks = self.mxfp4[name][0]
+            b = self.base.shape(blocks) if hasattr(self.base, "shape") else np.shape(self.base[blocks])
             *lead, out, groups, _ = b
             return (*lead, groups * 32, out)
         return tuple(self.base.shape(name)) if hasattr(self.base, "shape") else tuple(self[name].shape)

@@ -228,6 +228,30 @@ def _yarn(dim: int, base: float, p: Mapping[str, Any], pos_freqs: np.ndarray,
     return inv_freq.astype(np.float32), float(attention_factor)
 
 
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+def rope_config_from_hf(
+    d: Mapping[str, Any], *, default_theta: float = 10000.0, default: Mapping[str, Any] | None = None,
+    source: str = "config.json",
+) -> tuple[float, float | None, dict[str, Any] | None]:
+    """(rope_theta, partial_rotary_factor or None, scaling dict or None) from a config.json dict, as
+    transformers 5 standardises it (architectures.md §2.7): a legacy `rope_scaling` dict wins over
+    `rope_parameters` (`default` when neither is present), `rope_theta` and `partial_rotary_factor`
+    fall back to the top-level fields, `type` is the legacy spelling of `rope_type`. The scaling dict
+    is None for plain RoPE, else {"rope_type": ..., <its parameters>}."""
+    rope = dict(d.get("rope_scaling") or d.get("rope_parameters") or default or {})
+    theta = float(rope.pop("rope_theta", None) or d.get("rope_theta") or default_theta)
+    partial = rope.pop("partial_rotary_factor", None)
+    partial = d.get("partial_rotary_factor") if partial is None else partial
+    rope_type = rope.pop("rope_type", None) or rope.pop("type", None) or "default"
+    rope.pop("type", None)  # transformers 5 keeps a stray legacy "type" next to rope_type
+    if rope_type not in ROPE_TYPES:
+        raise NotImplementedError(f"{source}: rope_type {rope_type!r} (supported: {', '.join(ROPE_TYPES)})")
+    return theta, None if partial is None else float(partial), \
+        None if rope_type == "default" else {"rope_type": rope_type, **rope}
+
+
 def rope_inv_freq(head_dim: int, theta: float, scaling: Mapping[str, Any] | None = None) -> np.ndarray:
     """inv_freq [H/2] in float32 (see rope_frequencies; attention scaling dropped)."""
     return rope_frequencies(head_dim, theta, scaling)[0]

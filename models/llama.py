@@ -26,11 +26,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.decoder import MLP, DecoderLayer, DecoderLM, GQAttention
-from models.layers import Embed, Linear, RMSNorm, rope_cos_sin, rope_frequencies
+from models.layers import Embed, Linear, RMSNorm, rope_config_from_hf, rope_cos_sin, rope_frequencies
 
 ARCH_TO_MODEL_TYPE = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"}
 MODEL_TYPE_TO_ARCH = {v: k for k, v in ARCH_TO_MODEL_TYPE.items()}
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -114,16 +113,7 @@ class LlamaConfig:
             raise NotImplementedError(f"config.json: hidden_act {d['hidden_act']!r} (only silu)")
         if d.get("use_sliding_window"):
             raise NotImplementedError("config.json: Qwen3 use_sliding_window=true is not supported")
-        rope = dict(d.get("rope_parameters") or {})
-        legacy = dict(d.get("rope_scaling") or {})
-        theta = rope.pop("rope_theta", d.get("rope_theta", 10000.0))
-        rope = {**legacy, **rope}
-        rope_type = rope.pop("rope_type", None) or rope.pop("type", None) or "default"
-        rope.pop("type", None)
-        if rope_type not in SUPPORTED_ROPE_TYPES:
-            raise NotImplementedError(
-                f"config.json: rope_type {rope_type!r} (supported: {SUPPORTED_ROPE_TYPES})")
-        scaling = None if rope_type == "default" else {"rope_type": rope_type, **rope}
+        theta, _, scaling = rope_config_from_hf(d)
         heads = d["num_attention_heads"]
         return cls(
             vocab_size=d["vocab_size"],

@@ -61,13 +61,45 @@ def rel_err(a, b) -> float:
 # Shared by the MoE / MLA family parity tests
 # ------------------------------------------------------------------------------------------------
 
+BASE = dict(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=256)
+
+
+def tiny_configs() -> dict[str, transformers.PretrainedConfig]:
+    """One tiny transformers config per registered architecture (MoE families with 8 experts, k 2), with
+    the family's hard paths on: DeepSeek group-limited routing, YaRN with mscale and a q LoRA; GPT-OSS
+    sliding window 8 and its default YaRN; GLM q/k/v bias, QK-norm and partial rotary; Qwen3 head_dim
+    != hidden / heads. Used by test_families_io.py and benchmarks/parity.py."""
+    moe = dict(moe_intermediate_size=32, num_experts_per_tok=2)
+    return {
+        "LlamaForCausalLM": transformers.LlamaConfig(**BASE, intermediate_size=96, num_key_value_heads=2),
+        "Qwen3ForCausalLM": transformers.Qwen3Config(**BASE, intermediate_size=96, num_key_value_heads=2, head_dim=24),
+        "Qwen3MoeForCausalLM": transformers.Qwen3MoeConfig(**BASE, **moe, intermediate_size=96, num_key_value_heads=2,
+                                                           head_dim=32, num_experts=8, norm_topk_prob=True),
+        "DeepseekV3ForCausalLM": transformers.DeepseekV3Config(
+            **BASE, **moe, intermediate_size=96, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16,
+            qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, n_shared_experts=1,
+            n_group=2, topk_group=1, first_k_dense_replace=1,
+            rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 1.0,
+                             "mscale_all_dim": 1.0, "original_max_position_embeddings": 16}),
+        "GptOssForCausalLM": transformers.GptOssConfig(
+            **BASE, intermediate_size=32, num_key_value_heads=2, head_dim=16, num_local_experts=8,
+            num_experts_per_tok=2, sliding_window=8),
+        "Glm4MoeForCausalLM": transformers.Glm4MoeConfig(
+            **BASE, **moe, intermediate_size=96, num_key_value_heads=2, head_dim=32, n_routed_experts=8,
+            n_shared_experts=1, n_group=2, topk_group=1, first_k_dense_replace=1, attention_bias=True,
+            use_qk_norm=True),
+    }
+
+
 ROTARY_BUFFERS = ("inv_freq", "original_inv_freq")
 
 
 def perturb(model, seed: int = 0, scale: float = 0.5):
     """Move every tensor that inits to a constant away from it, so that it matters in a parity test:
-    norms ~ N(1, 0.2); biases, sinks and e_score_correction_bias ~ N(0, scale · 0.1 .. scale).
-    Random matrices keep their transformers init. Returns the model."""
+    norms ~ N(1, 0.2); biases and sinks ~ N(0, scale); e_score_correction_bias ~ N(0, 0.1). Router
+    weights (`mlp.gate.weight`, `mlp.router.weight`) are scaled ×25 so that routing depends on the
+    token (at the 0.02 init every token picks the same experts once a bias is added). Other random
+    matrices keep their transformers init. Returns the model."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in list(model.named_parameters()) + list(model.named_buffers()):
@@ -75,8 +107,12 @@ def perturb(model, seed: int = 0, scale: float = 0.5):
                 continue
             if "norm" in name and p.ndim == 1:
                 p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
-            elif name.endswith(("bias", "sinks", "e_score_correction_bias")):
+            elif name.endswith("e_score_correction_bias"):
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+            elif name.endswith(("bias", "sinks")):
                 p.copy_(scale * torch.randn(p.shape, generator=g))
+            elif name.endswith(("mlp.gate.weight", "mlp.router.weight")):
+                p.mul_(25.0)
     return model
 
 

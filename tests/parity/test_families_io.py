@@ -1,0 +1,113 @@
+"""Every family through the same checkpoint paths: sharded safetensors with an index, bf16 on disk,
+transformers loading what we write, and a forward on 8 fake CPU devices (data, fsdp, tensor,
+expert mesh axes) equal to the single-device forward.
+
+The per-family parity files test the math; this file tests that the I/O and the sharding rules hold
+for every registered architecture (architectures.md §2.6–2.8, DESIGN.md "Sharding").
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+from parity_helpers import build_from_config, hf_logits, rel_err, tiny_configs
+
+from models import from_pretrained, save_pretrained
+from models.registry import ARCHITECTURES
+
+pytestmark = pytest.mark.parity
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+def test_every_registered_architecture_has_a_tiny_config():
+    assert set(tiny_configs()) == set(ARCHITECTURES)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """{architecture: (transformers model, saved folder)}."""
+    out = {}
+    for arch, config in tiny_configs().items():
+        model = build_from_config(config, seed=1)
+        path = tmp_path_factory.mktemp(arch)
+        model.save_pretrained(path)
+        out[arch] = (model, str(path))
+    return out
+
+
+IDS = np.random.default_rng(0).integers(0, 128, (2, 20)).astype(np.int32)
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_sharded_save_loads_in_transformers(checkpoints, tmp_path, arch):
+    hf, path = checkpoints[arch]
+    ours = from_pretrained(path)
+    out = tmp_path / "sharded"
+    save_pretrained(ours, str(out), max_shard_bytes=40_000)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = set(index["weight_map"].values())
+    assert len(shards) > 3 and all((out / s).exists() for s in shards)
+    back = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager", dtype=torch.float32)
+    assert rel_err(hf_logits(back.eval(), IDS), hf_logits(hf, IDS)) <= 1e-4
+    assert rel_err(from_pretrained(str(out))(jnp.asarray(IDS)), hf_logits(hf, IDS)) <= 1e-4
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_bf16_checkpoint_both_ways(checkpoints, tmp_path, arch):
+    """Saved in bf16: the files say BF16, and we and transformers (upcast to fp32) agree on them."""
+    _, path = checkpoints[arch]
+    out = tmp_path / "bf16"
+    save_pretrained(from_pretrained(path), str(out), dtype=jnp.bfloat16)
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    header_len = int.from_bytes((out / "model.safetensors").read_bytes()[:8], "little")
+    header = json.loads((out / "model.safetensors").read_bytes()[8:8 + header_len])
+    dtypes = {v["dtype"] for k, v in header.items() if k != "__metadata__"}
+    assert "BF16" in dtypes and dtypes <= {"BF16", "F32"}  # F32 only for fp32-kept buffers (router bias)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager", dtype=torch.float32)
+    assert rel_err(from_pretrained(str(out))(jnp.asarray(IDS)), hf_logits(hf.eval(), IDS)) <= 1e-4
+
+
+CHILD = textwrap.dedent("""
+    import json, sys
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import PartitionSpec as P
+    from models import from_pretrained, jit_forward
+    from models.sharding import make_mesh, shard_model
+
+    jax.config.update("jax_default_matmul_precision", "highest")
+    assert jax.device_count() == 8, jax.devices()
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, 128, (4, 16)), jnp.int32)
+    report = {}
+    for arch, path in json.loads(sys.argv[1]).items():
+        model = from_pretrained(path)
+        ref = np.asarray(jit_forward(model)(ids))
+        shard_model(model, make_mesh(data=1, fsdp=2, tensor=2, expert=2))
+        specs = {str(v[...].sharding.spec) for v in jax.tree.leaves(
+            __import__("flax").nnx.state(model), is_leaf=lambda x: hasattr(x, "get_value"))}
+        out = np.asarray(jit_forward(model)(ids))
+        report[arch] = {"err": float(np.max(np.abs(out - ref)) / np.max(np.abs(ref))),
+                        "expert_sharded": any("expert" in s for s in specs),
+                        "tensor_sharded": any("tensor" in s for s in specs)}
+    print("REPORT" + json.dumps(report))
+""")
+
+
+def test_forward_on_8_fake_devices_equals_single_device(checkpoints):
+    paths = {arch: path for arch, (_, path) in checkpoints.items()}
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "PYTHONPATH": REPO}
+    proc = subprocess.run([sys.executable, "-c", CHILD, json.dumps(paths)], env=env, capture_output=True,
+                          text=True, timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.split("REPORT", 1)[1])
+    for arch, r in report.items():
+        assert r["err"] <= 1e-5, (arch, r)
+        assert r["tensor_sharded"], arch
+        moe = arch not in ("LlamaForCausalLM", "Qwen3ForCausalLM")
+        assert r["expert_sharded"] == moe, (arch, r)
