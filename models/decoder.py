@@ -18,6 +18,7 @@ N query heads, K kv heads, H head dim, F ffn width, V vocab, L layers.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -215,10 +216,9 @@ class MTPLayer(DecoderLayer):
 class DecoderLM(nnx.Module):
     """embed -> L × layer -> RMSNorm -> LM head (tied when `lm_head` is None).
 
-    Subclasses set `config` (with `num_hidden_layers`, `vocab_size`, `hidden_size`), `dtype`,
-    `param_dtype`, `embed_tokens`, `layers` (the first `num_hidden_layers` entries are the main
-    stack; DeepSeek/GLM keep their MTP layers after them), `norm`, `lm_head`, and implement
-    `rope(positions)`.
+    Subclasses pass their config (`num_hidden_layers`, `vocab_size`, `hidden_size`, `rms_norm_eps`,
+    `tie_word_embeddings`) and a layer builder to `__init__` — the first `num_hidden_layers` layers
+    are the main stack; DeepSeek/GLM keep their MTP layers after them — and implement `rope(positions)`.
     """
 
     config: Any
@@ -226,6 +226,23 @@ class DecoderLM(nnx.Module):
     layers: nnx.List
     norm: RMSNorm
     lm_head: Linear | None
+
+    def __init__(self, config: Any, build_layers: Callable[[dict[str, Any]], list[nnx.Module]], *,
+                 rngs: nnx.Rngs, dtype: Any, param_dtype: Any, norm_weight_in_fp32: bool = False):
+        """Embedding, `build_layers(kw)` (kw = rngs/dtype/param_dtype for the layers' modules), final norm
+        (fp32 weight multiplied in fp32 with `norm_weight_in_fp32`, GPT-OSS) and the LM head (none when
+        `config.tie_word_embeddings`)."""
+        self.config = config
+        self.dtype, self.param_dtype = dtype, param_dtype
+        kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.embed_tokens = Embed(config.vocab_size, config.hidden_size, **kw)
+        self.layers = nnx.List(build_layers(kw))
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, weight_in_fp32=norm_weight_in_fp32,
+                            param_dtype=jnp.float32 if norm_weight_in_fp32 else param_dtype)
+        if config.tie_word_embeddings:
+            self.lm_head = nnx.data(None)
+        else:
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, axes=("embed", "vocab"), **kw)
 
     def rope(self, positions: jax.Array) -> Any:  # pragma: no cover - every family overrides it
         raise NotImplementedError

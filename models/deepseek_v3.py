@@ -48,7 +48,6 @@ from flax import nnx
 from models.decoder import MLP, Context, DecoderLayer, DecoderLM, MTPLayer
 from models.generate import KVCache
 from models.layers import (
-    Embed,
     Linear,
     RMSNorm,
     apply_rope,
@@ -57,7 +56,7 @@ from models.layers import (
     rope_cos_sin,
     rope_frequencies,
 )
-from models.moe import Experts, MoE, Router
+from models.moe import MoE, sigmoid_moe
 
 ARCHITECTURE = "DeepseekV3ForCausalLM"
 MODEL_TYPES = ("deepseek_v3", "kimi_k2")  # kimi_k2: the same graph (§7); transformers only knows deepseek_v3
@@ -444,12 +443,9 @@ class MLAttention(nnx.Module):
 
 def moe_block(c: DeepseekV3Config, kw: dict[str, Any]) -> MoE:
     """Sigmoid group-limited router `gate` (§6.6) + E per-expert SwiGLUs + the shared SwiGLU (§6.7)."""
-    router = Router(c.hidden_size, c.n_routed_experts, c.num_experts_per_tok, scoring="sigmoid",
-                    norm_topk_prob=c.norm_topk_prob, n_group=c.n_group, topk_group=c.topk_group,
-                    routed_scaling_factor=c.routed_scaling_factor, **kw)
-    experts = Experts(c.n_routed_experts, c.hidden_size, c.moe_intermediate_size, hf_layout="per_expert", **kw)
-    shared = MLP(c.hidden_size, c.moe_intermediate_size * c.n_shared_experts, **kw) if c.n_shared_experts else None
-    return MoE(router, experts, shared, router_name="gate")
+    return sigmoid_moe(c.hidden_size, c.n_routed_experts, c.num_experts_per_tok, c.moe_intermediate_size,
+                       c.n_shared_experts, n_group=c.n_group, topk_group=c.topk_group, norm_topk_prob=c.norm_topk_prob,
+                       routed_scaling_factor=c.routed_scaling_factor, **kw)
 
 
 class DeepseekV3(DecoderLM):
@@ -457,26 +453,18 @@ class DeepseekV3(DecoderLM):
 
     def __init__(self, config: DeepseekV3Config, *, rngs: nnx.Rngs, dtype: Any = jnp.float32,
                  param_dtype: Any = jnp.float32):
-        self.config = config
-        self.dtype, self.param_dtype = dtype, param_dtype
-        kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
         c = config
         D, eps = c.hidden_size, c.rms_norm_eps
-        self.embed_tokens = Embed(c.vocab_size, D, **kw)
-        layers: list[nnx.Module] = [
-            DecoderLayer(MLAttention(c, **kw),
-                         moe_block(c, kw) if c.is_moe_layer(i) else MLP(D, c.intermediate_size, **kw),
-                         hidden_size=D, rms_norm_eps=eps, param_dtype=param_dtype)
-            for i in range(c.num_hidden_layers)
-        ]
-        layers += [MTPLayer(MLAttention(c, **kw), moe_block(c, kw), hidden_size=D, rms_norm_eps=eps, **kw)
-                   for _ in range(c.num_mtp_layers)]
-        self.layers = nnx.List(layers)
-        self.norm = RMSNorm(D, eps=eps, param_dtype=param_dtype)
-        if c.tie_word_embeddings:
-            self.lm_head = nnx.data(None)
-        else:
-            self.lm_head = Linear(D, c.vocab_size, axes=("embed", "vocab"), **kw)
+
+        def build_layers(kw: dict[str, Any]) -> list[nnx.Module]:
+            main = [DecoderLayer(MLAttention(c, **kw),
+                                 moe_block(c, kw) if c.is_moe_layer(i) else MLP(D, c.intermediate_size, **kw),
+                                 hidden_size=D, rms_norm_eps=eps, param_dtype=param_dtype)
+                    for i in range(c.num_hidden_layers)]
+            return main + [MTPLayer(MLAttention(c, **kw), moe_block(c, kw), hidden_size=D, rms_norm_eps=eps, **kw)
+                           for _ in range(c.num_mtp_layers)]
+
+        super().__init__(config, build_layers, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
 
     def rope(self, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
         """cos, sin [B, T, R] for the rope slice of q and k, × the YaRN attention factor (1 when mscale ==

@@ -42,8 +42,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.decoder import MLP, DecoderLayer, DecoderLM, GQAttention, MTPLayer
-from models.layers import Embed, Linear, RMSNorm, rope_config_from_hf, rope_cos_sin, rope_frequencies
-from models.moe import Experts, MoE, Router
+from models.layers import rope_config_from_hf, rope_cos_sin, rope_frequencies
+from models.moe import sigmoid_moe
 
 ARCHITECTURE = "Glm4MoeForCausalLM"
 MODEL_TYPE = "glm4_moe"
@@ -277,22 +277,16 @@ class Glm4Moe(DecoderLM):
 
     def __init__(self, config: Glm4MoeConfig, *, rngs: nnx.Rngs, dtype: Any = jnp.float32,
                  param_dtype: Any = jnp.float32):
-        self.config = config
-        self.dtype, self.param_dtype = dtype, param_dtype
-        kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
         c = config
-        L = c.num_hidden_layers
-        self.embed_tokens = Embed(c.vocab_size, c.hidden_size, **kw)
-        main = [DecoderLayer(self._attention(kw), self._ffn(c.is_moe_layer(i), kw), hidden_size=c.hidden_size,
-                             rms_norm_eps=c.rms_norm_eps, param_dtype=param_dtype) for i in range(L)]
-        mtp = [MTPLayer(self._attention(kw), self._ffn(True, kw), hidden_size=c.hidden_size,
-                        rms_norm_eps=c.rms_norm_eps, **kw) for m in range(c.num_mtp_layers)]
-        self.layers = nnx.List(main + mtp)
-        self.norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps, param_dtype=param_dtype)
-        if c.tie_word_embeddings:
-            self.lm_head = nnx.data(None)
-        else:
-            self.lm_head = Linear(c.hidden_size, c.vocab_size, axes=("embed", "vocab"), **kw)
+
+        def build_layers(kw: dict[str, Any]) -> list[nnx.Module]:
+            main = [DecoderLayer(self._attention(kw), self._ffn(c.is_moe_layer(i), kw), hidden_size=c.hidden_size,
+                                 rms_norm_eps=c.rms_norm_eps, param_dtype=param_dtype)
+                    for i in range(c.num_hidden_layers)]
+            return main + [MTPLayer(self._attention(kw), self._ffn(True, kw), hidden_size=c.hidden_size,
+                                    rms_norm_eps=c.rms_norm_eps, **kw) for _ in range(c.num_mtp_layers)]
+
+        super().__init__(config, build_layers, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
 
     def _attention(self, kw: dict[str, Any]) -> GQAttention:
         c = self.config
@@ -304,14 +298,9 @@ class Glm4Moe(DecoderLM):
         c = self.config
         if not moe:
             return MLP(c.hidden_size, c.intermediate_size, **kw)
-        router = Router(c.hidden_size, c.n_routed_experts, c.num_experts_per_tok, scoring="sigmoid",
-                        norm_topk_prob=c.norm_topk_prob, n_group=c.n_group, topk_group=c.topk_group,
-                        routed_scaling_factor=c.routed_scaling_factor, **kw)
-        experts = Experts(c.n_routed_experts, c.hidden_size, c.moe_intermediate_size, hf_layout="per_expert", **kw)
-        shared = None
-        if c.n_shared_experts:
-            shared = MLP(c.hidden_size, c.moe_intermediate_size * c.n_shared_experts, **kw)
-        return MoE(router, experts, shared, router_name="gate")
+        return sigmoid_moe(c.hidden_size, c.n_routed_experts, c.num_experts_per_tok, c.moe_intermediate_size,
+                           c.n_shared_experts, n_group=c.n_group, topk_group=c.topk_group,
+                           norm_topk_prob=c.norm_topk_prob, routed_scaling_factor=c.routed_scaling_factor, **kw)
 
     def rope(self, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
         """cos, sin [B, T, d] over the rotary dim d only; GQAttention rotates the first d dims of each head."""

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.decoder import DecoderLayer, DecoderLM, GQAttention
-from models.layers import ROPE_TYPES, Embed, Linear, RMSNorm, rope_config_from_hf, rope_cos_sin, rope_frequencies
+from models.layers import ROPE_TYPES, rope_config_from_hf, rope_cos_sin, rope_frequencies
 from models.moe import Experts, MoE, Router
 
 ARCHITECTURE = "GptOssForCausalLM"
@@ -249,13 +249,9 @@ class GptOss(DecoderLM):
 
     def __init__(self, config: GptOssConfig, *, rngs: nnx.Rngs, dtype: Any = jnp.float32,
                  param_dtype: Any = jnp.float32):
-        self.config = config
-        self.dtype, self.param_dtype = dtype, param_dtype
-        kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
         c = config
         D, E = c.hidden_size, c.num_local_experts
-        self.embed_tokens = Embed(c.vocab_size, D, **kw)
-        self.layers = nnx.List([
+        super().__init__(config, lambda kw: [
             DecoderLayer(
                 GQAttention(hidden_size=D, num_heads=c.num_attention_heads, num_kv_heads=c.num_key_value_heads,
                             head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps, qkv_bias=c.attention_bias,
@@ -267,12 +263,7 @@ class GptOss(DecoderLM):
                 hidden_size=D, rms_norm_eps=c.rms_norm_eps, param_dtype=jnp.float32, window=c.layer_window(i),
                 norm_weight_in_fp32=True)
             for i in range(c.num_hidden_layers)
-        ])
-        self.norm = RMSNorm(D, eps=c.rms_norm_eps, param_dtype=jnp.float32, weight_in_fp32=True)
-        if c.tie_word_embeddings:
-            self.lm_head = nnx.data(None)
-        else:
-            self.lm_head = Linear(D, c.vocab_size, axes=("embed", "vocab"), **kw)
+        ], rngs=rngs, dtype=dtype, param_dtype=param_dtype, norm_weight_in_fp32=True)
 
     def rope(self, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
         """cos, sin [B, T, H] (YaRN: both × the attention factor), shared by every layer."""

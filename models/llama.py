@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.decoder import MLP, DecoderLayer, DecoderLM, GQAttention
-from models.layers import Embed, Linear, RMSNorm, rope_config_from_hf, rope_cos_sin, rope_frequencies
+from models.layers import rope_config_from_hf, rope_cos_sin, rope_frequencies
 
 ARCH_TO_MODEL_TYPE = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"}
 MODEL_TYPE_TO_ARCH = {v: k for k, v in ARCH_TO_MODEL_TYPE.items()}
@@ -192,12 +192,8 @@ class Llama(DecoderLM):
 
     def __init__(self, config: LlamaConfig, *, rngs: nnx.Rngs, dtype: Any = jnp.float32,
                  param_dtype: Any = jnp.float32):
-        self.config = config
-        self.dtype, self.param_dtype = dtype, param_dtype
-        kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
         c = config
-        self.embed_tokens = Embed(c.vocab_size, c.hidden_size, **kw)
-        self.layers = nnx.List([
+        super().__init__(config, lambda kw: [
             DecoderLayer(
                 GQAttention(hidden_size=c.hidden_size, num_heads=c.num_attention_heads,
                             num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps,
@@ -205,12 +201,7 @@ class Llama(DecoderLM):
                 MLP(c.hidden_size, c.intermediate_size, use_bias=c.mlp_bias, **kw),
                 hidden_size=c.hidden_size, rms_norm_eps=c.rms_norm_eps, param_dtype=param_dtype)
             for _ in range(c.num_hidden_layers)
-        ])
-        self.norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps, param_dtype=param_dtype)
-        if c.tie_word_embeddings:
-            self.lm_head = nnx.data(None)
-        else:
-            self.lm_head = Linear(c.hidden_size, c.vocab_size, axes=("embed", "vocab"), **kw)
+        ], rngs=rngs, dtype=dtype, param_dtype=param_dtype)
 
     def rope(self, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
         c = self.config

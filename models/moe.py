@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from models.decoder import MLP
 from models.layers import INIT_STD, Buffer, param
 
 # ------------------------------------------------------------------------------------------------
@@ -317,3 +318,18 @@ class MoE(nnx.Module):
         if self.shared_experts is not None:
             y = y + self.shared_experts(flat)
         return y.reshape(*lead, -1)
+
+
+def sigmoid_moe(
+    hidden_size: int, num_experts: int, top_k: int, expert_width: int, num_shared: int, *, n_group: int,
+    topk_group: int, norm_topk_prob: bool, routed_scaling_factor: float, rngs: nnx.Rngs, dtype: Any,
+    param_dtype: Any,
+) -> MoE:
+    """The DeepSeek-V3 / Kimi K2 / GLM-4.5 block (§6.6–6.7, §9.3): sigmoid group-limited router `gate`,
+    per-expert SwiGLUs, and a shared SwiGLU of width expert_width · num_shared (none when 0)."""
+    kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+    router = Router(hidden_size, num_experts, top_k, scoring="sigmoid", norm_topk_prob=norm_topk_prob,
+                    n_group=n_group, topk_group=topk_group, routed_scaling_factor=routed_scaling_factor, **kw)
+    experts = Experts(num_experts, hidden_size, expert_width, hf_layout="per_expert", **kw)
+    shared = MLP(hidden_size, expert_width * num_shared, **kw) if num_shared else None
+    return MoE(router, experts, shared, router_name="gate")

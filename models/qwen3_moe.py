@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.decoder import MLP, DecoderLayer, DecoderLM, GQAttention
-from models.layers import Embed, Linear, RMSNorm, rope_config_from_hf, rope_cos_sin, rope_frequencies
+from models.layers import rope_config_from_hf, rope_cos_sin, rope_frequencies
 from models.moe import Experts, MoE, Router
 
 ARCHITECTURE = "Qwen3MoeForCausalLM"
@@ -245,21 +245,12 @@ class Qwen3Moe(DecoderLM):
 
     def __init__(self, config: Qwen3MoeConfig, *, rngs: nnx.Rngs, dtype: Any = jnp.float32,
                  param_dtype: Any = jnp.float32):
-        self.config = config
-        self.dtype, self.param_dtype = dtype, param_dtype
-        kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
         c = config
-        self.embed_tokens = Embed(c.vocab_size, c.hidden_size, **kw)
-        self.layers = nnx.List([
+        super().__init__(config, lambda kw: [
             DecoderLayer(self._attention(kw), self._ffn(i, kw), hidden_size=c.hidden_size,
                          rms_norm_eps=c.rms_norm_eps, param_dtype=param_dtype, window=c.layer_window(i))
             for i in range(c.num_hidden_layers)
-        ])
-        self.norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps, param_dtype=param_dtype)
-        if c.tie_word_embeddings:
-            self.lm_head = nnx.data(None)
-        else:
-            self.lm_head = Linear(c.hidden_size, c.vocab_size, axes=("embed", "vocab"), **kw)
+        ], rngs=rngs, dtype=dtype, param_dtype=param_dtype)
 
     def _attention(self, kw: dict[str, Any]) -> GQAttention:
         c = self.config
