@@ -26,11 +26,14 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 
 
 def main() -> None:
+    import transformers
     from parity_helpers import build_from_config, decode_logits, hf_logits, hf_reload_logits, rel_err, tiny_configs
 
     from models import from_pretrained, save_pretrained
 
     jax.config.update("jax_default_matmul_precision", "highest")
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
     rng = np.random.default_rng(0)
     ids = rng.integers(0, 128, (2, 40)).astype(np.int32)
     mask = np.ones_like(ids)

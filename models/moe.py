@@ -23,6 +23,7 @@ R = T·k routed rows, G router groups.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -160,7 +161,12 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, impl: 
 
 ACTIVATIONS = ("silu", "gpt_oss")
 HF_LAYOUTS = ("per_expert", "gpt_oss")
-DEFAULT_IMPL = "blocked"
+IMPLS = ("blocked", "ragged", "dense")
+# "blocked" is measured to scale with top-k on XLA:CPU (benchmarks/moe.py); on GPU/TPU the native
+# ragged_dot kernel may be the faster choice — set FORGELINE_MOE_IMPL=ragged there after measuring.
+DEFAULT_IMPL = os.environ.get("FORGELINE_MOE_IMPL", "blocked")
+if DEFAULT_IMPL not in IMPLS:
+    raise ValueError(f"FORGELINE_MOE_IMPL={DEFAULT_IMPL!r} (known: {', '.join(IMPLS)})")
 
 
 class Experts(nnx.Module):
