@@ -145,14 +145,40 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, impl: 
     dest = (block_end - blocks_per)[gid] * block + jnp.arange(R, dtype=jnp.int32) - row_start[gid]  # [R]
     buf = jnp.zeros((nb * block, D), x.dtype).at[dest].set(x, unique_indices=True)  # [nb*block, D]
     block_expert = jnp.minimum(jnp.searchsorted(block_end, jnp.arange(nb), side="right"), E - 1)  # [nb]
-    wx = w.astype(x.dtype)
-
-    def one_block(args):
-        xb, e = args  # [block, D], scalar
-        return xb @ jax.lax.dynamic_index_in_dim(wx, e, keepdims=False)  # [block, O]
-
-    out = jax.lax.map(one_block, (buf.reshape(nb, block, D), block_expert))  # [nb, block, O]
+    out = block_gemm(buf.reshape(nb, block, D), w.astype(x.dtype), block_expert)  # [nb, block, O]
     return out.reshape(nb * block, O)[dest]  # [R, O]
+
+
+def _expert(w: jax.Array, e: jax.Array) -> jax.Array:
+    return jax.lax.dynamic_index_in_dim(w, e, keepdims=False)
+
+
+@jax.custom_vjp
+def block_gemm(xb: jax.Array, w: jax.Array, block_expert: jax.Array) -> jax.Array:
+    """xb [nb, block, D], w [E, D, O], block_expert [nb] -> [nb, block, O]: one GEMM per block.
+
+    Custom backward: dx per block against wᵀ, and dw accumulated in place per block's expert
+    (`dw.at[e].add`) — autodiff of the map would add a full [E, D, O] zero-padded update per block."""
+    return jax.lax.map(lambda a: a[0] @ _expert(w, a[1]), (xb, block_expert))
+
+
+def _block_gemm_fwd(xb, w, block_expert):
+    return block_gemm(xb, w, block_expert), (xb, w, block_expert)
+
+
+def _block_gemm_bwd(res, d_out):
+    xb, w, block_expert = res
+    dx = jax.lax.map(lambda a: a[0] @ _expert(w, a[1]).T, (d_out, block_expert))  # [nb, block, D]
+
+    def accumulate(dw, a):
+        x_i, d_i, e = a
+        return dw.at[e].add(x_i.T @ d_i), None  # [D, O] into expert e
+
+    dw, _ = jax.lax.scan(accumulate, jnp.zeros_like(w), (xb, d_out, block_expert))
+    return dx, dw, None
+
+
+block_gemm.defvjp(_block_gemm_fwd, _block_gemm_bwd)
 
 
 # ------------------------------------------------------------------------------------------------
