@@ -12,25 +12,14 @@ few calls after warm-up; ratios are what to read (DESIGN.md: absolute CPU number
 from __future__ import annotations
 
 import argparse
-import time
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from benchmarks.run import _best
 from models.moe import Experts, MoE, Router
-
-
-def _best(fn: Callable[[], object], repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return min(times)
 
 
 def jax_block(E: int, k: int, D: int, I: int, impl: str):

@@ -126,18 +126,33 @@ def build_from_config(config: transformers.PretrainedConfig, seed: int = 0) -> t
 
 
 def decode_logits(model, ids: np.ndarray, split: int) -> np.ndarray:
-    """Logits [B, T, V] from a prefill of ids[:, :split] then one token at a time through the KV cache."""
+    """Logits [B, T, V] from a prefill of ids[:, :split] then one token at a time through the KV cache
+    (jitted: eager MoE dispatch is slow on CPU)."""
     import jax.numpy as jnp
 
-    from models import KVCache
+    from models import KVCache, jit_forward
 
     B, T = ids.shape
-    logits, cache = model(jnp.asarray(ids[:, :split]), cache=KVCache.init(model.config, B, T, model.dtype))
+    forward = jit_forward(model)
+    logits, cache = forward(jnp.asarray(ids[:, :split]), cache=KVCache.init(model.config, B, T, model.dtype))
     out = [np.asarray(logits)]
     for t in range(split, T):
-        step, cache = model(jnp.asarray(ids[:, t:t + 1]), cache=cache)
+        step, cache = forward(jnp.asarray(ids[:, t:t + 1]), cache=cache)
         out.append(np.asarray(step))
     return np.concatenate(out, axis=1)
+
+
+def set_expert_impl(model, impl: str) -> int:
+    """Switch every models.moe.Experts of `model` to dispatch `impl`; returns how many there are."""
+    from flax import nnx
+
+    from models.moe import Experts
+
+    n = 0
+    for _, node in nnx.iter_graph(model):
+        if isinstance(node, Experts):
+            node.impl, n = impl, n + 1
+    return n
 
 
 def hf_reload_logits(path: str, ids: np.ndarray, attention_mask: np.ndarray | None = None) -> np.ndarray:

@@ -27,7 +27,7 @@ import transformers
 from flax import nnx
 from parity_helpers import build_from_config, decode_logits, hf_logits, rel_err
 
-from models import KVCache, from_pretrained, save_pretrained
+from models import KVCache, from_pretrained, jit_forward, save_pretrained
 from models.deepseek_v3 import DeepseekV3, DeepseekV3Config
 
 pytestmark = pytest.mark.parity
@@ -107,12 +107,10 @@ def forward(model, ids: np.ndarray, mask: np.ndarray | None = None) -> np.ndarra
     return np.asarray(_forward(graphdef, state, jnp.asarray(ids), jnp.asarray(positions), jnp.asarray(mask)))
 
 
-@functools.partial(jax.jit, static_argnums=0)
 def _cached(graphdef, state, ids, cache):
     return nnx.merge(graphdef, state)(ids, cache=cache)
 
 
-@dataclasses.dataclass
 class Jitted:
     """What parity_helpers.decode_logits needs from a model (config, dtype, __call__), jitted."""
 
@@ -216,14 +214,14 @@ def test_decode_through_latent_cache_equals_forward(checkpoints, variant):
     hf, _, model = checkpoints(variant)
     ids, split = random_ids(2, 40), 30
     full = forward(model, ids)
-    decoded = decode_logits(Jitted(model), ids, split)
+    decoded = decode_logits(model, ids, split)
     err_fwd, err_hf = rel_err(decoded, full), rel_err(decoded, hf_logits(hf, ids))
     print(f"{variant}: decode vs forward {err_fwd:.2e}, decode vs transformers {err_hf:.2e}")
     assert err_fwd <= 1e-4 and err_hf <= 1e-4
 
     # the cache holds what transformers' own DynamicCache holds for MLA: the normalised latent and the
     # rotated (de-interleaved) shared rope key, one "head" each
-    _, cache = Jitted(model)(jnp.asarray(ids[:, :split]), KVCache.init(model.config, 2, 40))  # as decode_logits
+    _, cache = jit_forward(model)(jnp.asarray(ids[:, :split]), cache=KVCache.init(model.config, 2, 40))
     assert cache.k.shape[-1] == model.config.kv_lora_rank and cache.k.shape[2] == 1
     with torch.no_grad():
         out = hf(torch.tensor(ids[:, :split], dtype=torch.long), use_cache=True)

@@ -73,17 +73,6 @@ def left_padding(ids: np.ndarray, pads: list[int]) -> tuple[np.ndarray, np.ndarr
     return ids, mask, np.maximum(np.cumsum(mask, axis=1) - 1, 0).astype(np.int32)
 
 
-class Jitted:
-    """`model` behind `jit_forward` (one compile per shape), usable by decode_logits (config, dtype)."""
-
-    def __init__(self, model: GptOss):
-        self.config, self.dtype = model.config, model.dtype
-        self.forward = jit_forward(model)
-
-    def __call__(self, input_ids, **kw):
-        return self.forward(input_ids, **kw)
-
-
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     """(transformers model, checkpoint folder, our loaded model, its jitted forward)."""
@@ -99,7 +88,7 @@ def ckpt(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("gpt_oss") / "hf")
     hf.save_pretrained(path)
     model = from_pretrained(path)
-    return hf, path, model, Jitted(model)
+    return hf, path, model, jit_forward(model)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -173,10 +162,10 @@ def test_left_padded_batch_matches_transformers(ckpt):
 
 
 def test_decode_equals_forward_past_the_window(ckpt):
-    hf, _, _, fwd = ckpt
+    hf, _, model, fwd = ckpt
     ids = random_ids(2, 32)
     full = np.asarray(fwd(jnp.asarray(ids)))
-    steps = decode_logits(fwd, ids, split=5)  # 27 single-token steps, the cache grows past window 8
+    steps = decode_logits(model, ids, split=5)  # 27 single-token steps, the cache grows past window 8
     err, err_hf = rel_err(steps, full), rel_err(steps, hf_logits(hf, ids))
     print(f"\ngpt_oss decode-vs-forward rel err {err:.2e} (vs transformers {err_hf:.2e})")
     assert err <= TOL and err_hf <= TOL

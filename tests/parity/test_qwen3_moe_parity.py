@@ -18,12 +18,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import transformers
-from flax import nnx
 from parity_helpers import build_from_config, decode_logits, hf_logits, rel_err
 
 from models import from_pretrained, jit_forward, save_pretrained
-from models.moe import Experts, MoE
-from models.qwen3_moe import Qwen3Moe, Qwen3MoeConfig
+from models.moe import MoE
+from models.qwen3_moe import Qwen3MoeConfig
 
 pytestmark = pytest.mark.parity
 V = 160
@@ -66,24 +65,6 @@ def checkpoint(tmp_path_factory):
     return make
 
 
-class Jitted:
-    """A jitted forward that `decode_logits` can drive (it reads .config and .dtype)."""
-
-    def __init__(self, model: Qwen3Moe):
-        self.config, self.dtype, self._f = model.config, model.dtype, jit_forward(model)
-
-    def __call__(self, ids, **kw):
-        return self._f(ids, **kw)
-
-
-def set_expert_impl(model: nnx.Module, impl: str) -> int:
-    n = 0
-    for _, node in nnx.iter_graph(model):
-        if isinstance(node, Experts):
-            node.impl, n = impl, n + 1
-    return n
-
-
 # ------------------------------------------------------------------------------------------------
 # Logits
 # ------------------------------------------------------------------------------------------------
@@ -98,7 +79,7 @@ def test_logits_match_transformers(checkpoint, variant):
     assert model.config.head_dim == 32 != model.config.hidden_size // model.config.num_attention_heads
     assert model.config.norm_topk_prob == VARIANTS[variant]["norm_topk_prob"]
     ids = random_ids(2, 40)
-    err = rel_err(Jitted(model)(jnp.asarray(ids)), hf_logits(hf, ids))
+    err = rel_err(jit_forward(model)(jnp.asarray(ids)), hf_logits(hf, ids))
     print(f"qwen3_moe {variant}: logits rel err {err:.2e}")
     assert err <= 1e-4
 
@@ -111,7 +92,7 @@ def test_left_padded_batch_matches_transformers(checkpoint, variant):
     mask[1, :7] = 0  # rows 1 and 2 are left-padded
     mask[2, :2] = 0
     positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0)
-    ours = np.asarray(Jitted(model)(jnp.asarray(ids), positions=jnp.asarray(positions),
+    ours = np.asarray(jit_forward(model)(jnp.asarray(ids), positions=jnp.asarray(positions),
                                     segment_ids=jnp.asarray(mask)))
     ref = hf_logits(hf, ids, mask)
     err = rel_err(ours[mask == 1], ref[mask == 1])
@@ -122,26 +103,12 @@ def test_left_padded_batch_matches_transformers(checkpoint, variant):
 @pytest.mark.parametrize("variant", ["mlp_only", "sliding"])
 def test_decode_through_kv_cache_equals_forward(checkpoint, variant):
     _, _, model = checkpoint(variant)
-    fwd = Jitted(model)
+    fwd = jit_forward(model)
     ids = random_ids(2, 18)
     full = np.asarray(fwd(jnp.asarray(ids)))
-    err = rel_err(decode_logits(fwd, ids, split=7), full)
+    err = rel_err(decode_logits(model, ids, split=7), full)
     print(f"qwen3_moe {variant}: decode-vs-forward rel err {err:.2e}")
     assert err <= 1e-4
-
-
-def test_grouped_dispatch_equals_dense_experts(checkpoint):
-    _, _, model = checkpoint("mlp_only")
-    ids = jnp.asarray(random_ids(2, 33))
-    grouped = np.asarray(Jitted(model)(ids))
-    assert set_expert_impl(model, "dense") == 2
-    try:
-        dense = np.asarray(Jitted(model)(ids))
-    finally:
-        set_expert_impl(model, "blocked")
-    err = rel_err(grouped, dense)
-    print(f"qwen3_moe: grouped vs dense experts rel err {err:.2e}")
-    assert err <= 1e-5
 
 
 # ------------------------------------------------------------------------------------------------
@@ -167,7 +134,7 @@ def test_our_save_loads_in_transformers(checkpoint, tmp_path, variant):
     assert type(reloaded).__name__ == "Qwen3MoeForCausalLM"
     ids = random_ids(2, 24)
     np.testing.assert_array_equal(hf_logits(reloaded, ids), hf_logits(hf, ids))  # weights round-trip exactly
-    err = rel_err(Jitted(model)(jnp.asarray(ids)), hf_logits(reloaded, ids))
+    err = rel_err(jit_forward(model)(jnp.asarray(ids)), hf_logits(reloaded, ids))
     print(f"qwen3_moe {variant}: our save -> transformers rel err {err:.2e}")
     assert err <= 1e-4
     assert from_pretrained(str(out)).config == model.config
@@ -189,7 +156,7 @@ def test_legacy_config_spelling_loads_the_same_model(checkpoint, tmp_path):
     ids = random_ids(1, 30)
     ref = hf_logits(transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path), attn_implementation="eager"), ids)
     np.testing.assert_array_equal(ref, hf_logits(hf, ids))  # transformers reads the legacy spelling the same way
-    assert rel_err(Jitted(from_pretrained(str(tmp_path)))(jnp.asarray(ids)), ref) <= 1e-4
+    assert rel_err(jit_forward(from_pretrained(str(tmp_path)))(jnp.asarray(ids)), ref) <= 1e-4
 
 
 def test_config_fields_presets_and_round_trip():
