@@ -247,8 +247,9 @@ def state_to_hf(
     model: nnx.Module, *, dtype: Any = None, skip_quantized: bool = False
 ) -> dict[str, np.ndarray]:
     """HF-named float tensors ([out, in] for Linear). LoRA factors are folded in, int8 layers are
-    dequantized (or skipped with `skip_quantized`, for the compressed-tensors writer). Buffers
-    (e.g. DeepSeek's e_score_correction_bias) keep their own dtype (fp32)."""
+    dequantized (or skipped with `skip_quantized`, for the compressed-tensors writer). What
+    transformers keeps in fp32 stays fp32 on disk whatever `dtype` is: buffers (DeepSeek's
+    e_score_correction_bias) and the sigmoid routers' weights (`keep_fp32`)."""
     out: dict[str, np.ndarray] = {}
 
     def emit(name: str, value: Any, keep_dtype: bool = False) -> None:
@@ -270,7 +271,7 @@ def state_to_hf(
         for attr in getattr(mod, "hf_raw", ()):
             var = getattr(mod, attr)
             if var is not None:
-                emit(f"{name}.{attr}", var[...], keep_dtype=isinstance(var, Buffer))
+                emit(f"{name}.{attr}", var[...], keep_dtype=isinstance(var, Buffer) or getattr(mod, "keep_fp32", False))
     extra = getattr(model, "hf_extra_export", None)
     if extra is not None:
         for name, value in extra().items():

@@ -70,7 +70,8 @@ class Router(nnx.Module):
         self.routed_scaling_factor = routed_scaling_factor
         self.dtype = dtype
         sigmoid = scoring == "sigmoid"
-        wdtype = jnp.float32 if sigmoid else param_dtype  # DeepSeek keeps the router in fp32
+        self.keep_fp32 = sigmoid  # DeepSeek / GLM keep the router in fp32, in memory and on disk
+        wdtype = jnp.float32 if sigmoid else param_dtype
         init = nnx.initializers.normal(INIT_STD)
         self.weight = param(init(rngs.params(), (num_experts, hidden_size), wdtype), (None, "embed"))
         self.bias = nnx.data(param(jnp.zeros((num_experts,), param_dtype), (None,)) if use_bias else None)

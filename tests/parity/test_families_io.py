@@ -59,17 +59,25 @@ def test_sharded_save_loads_in_transformers(checkpoints, tmp_path, arch):
     assert rel_err(from_pretrained(str(out))(jnp.asarray(IDS)), hf_logits(hf, IDS)) <= 1e-4
 
 
+def header(path) -> dict[str, dict]:
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    return {k: v for k, v in json.loads(raw[8:8 + n]).items() if k != "__metadata__"}
+
+
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
 def test_bf16_checkpoint_both_ways(checkpoints, tmp_path, arch):
-    """Saved in bf16: the files say BF16, and we and transformers (upcast to fp32) agree on them."""
+    """Saved in bf16: the same tensor names, shapes and dtypes as transformers' own bf16 save (the
+    sigmoid routers stay fp32), and we and transformers (upcast to fp32) agree on the logits."""
     _, path = checkpoints[arch]
     out = tmp_path / "bf16"
     save_pretrained(from_pretrained(path), str(out), dtype=jnp.bfloat16)
     assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
-    header_len = int.from_bytes((out / "model.safetensors").read_bytes()[:8], "little")
-    header = json.loads((out / "model.safetensors").read_bytes()[8:8 + header_len])
-    dtypes = {v["dtype"] for k, v in header.items() if k != "__metadata__"}
-    assert "BF16" in dtypes and dtypes <= {"BF16", "F32"}  # F32 only for fp32-kept buffers (router bias)
+    theirs = tmp_path / "theirs"
+    transformers.AutoModelForCausalLM.from_config(tiny_configs()[arch], dtype=torch.bfloat16).save_pretrained(theirs)
+    ours_h, theirs_h = header(out / "model.safetensors"), header(theirs / "model.safetensors")
+    assert {k: (v["dtype"], v["shape"]) for k, v in ours_h.items()} == \
+        {k: (v["dtype"], v["shape"]) for k, v in theirs_h.items()}
     hf = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager", dtype=torch.float32)
     assert rel_err(from_pretrained(str(out))(jnp.asarray(IDS)), hf_logits(hf.eval(), IDS)) <= 1e-4
 

@@ -1,5 +1,6 @@
-"""Layer-level checks: the custom-VJP, causally blocked attention against a plain autodiff reference,
-and RoPE frequencies (architectures.md §3.1–3.2)."""
+"""Layer-level checks: the custom-VJP, causally blocked attention against a plain autodiff reference
+(with GPT-OSS sinks, MLA's value width != key width and DeepSeek's explicit scale), partial RoPE,
+and RoPE frequencies (architectures.md §3, §6.2, §8.3, §9.2)."""
 
 from __future__ import annotations
 
@@ -53,6 +54,56 @@ def test_attention_values_and_gradients(monkeypatch, causal):
     for a, b in zip(g_ours, g_ref, strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
     assert np.all(np.isfinite(np.asarray(ours(q, k, v))))
+
+
+def reference_sink_attention(q, k, v, mask, sinks, scale):
+    """softmax over [scores, sink] with the sink column dropped (architectures.md §8.3), autodiff."""
+    N, K = q.shape[2], k.shape[2]
+    k, v = jnp.repeat(k, N // K, axis=2), jnp.repeat(v, N // K, axis=2)
+    s = jnp.einsum("btnh,bsnh->bnts", q, k) * scale
+    s = jnp.where(mask[:, None], s, -1e30)
+    sink = jnp.broadcast_to(sinks[None, :, None, None], (*s.shape[:3], 1))
+    p = jax.nn.softmax(jnp.concatenate([s, sink], axis=-1), axis=-1)[..., :-1]
+    return jnp.einsum("bnts,bsnh->btnh", p, v)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_with_sinks_scale_and_wider_values(monkeypatch, causal):
+    """Values, rows summing to < 1, and gradients for q, k, v and the sinks: the training path of
+    GPT-OSS (sinks) and DeepSeek MLA (Hv = 12 != H = 8, scale != H^-0.5)."""
+    monkeypatch.setattr(layers, "CAUSAL_CHUNK", 16)
+    B, T, N, K, H, Hv, scale = 2, 37, 4, 2, 8, 12, 0.21
+    keys = jax.random.split(jax.random.PRNGKey(1), 5)
+    q = jax.random.normal(keys[0], (B, T, N, H))
+    k = jax.random.normal(keys[1], (B, T, K, H))
+    v = jax.random.normal(keys[2], (B, T, K, Hv))
+    w = jax.random.normal(keys[3], (B, T, N, Hv))
+    sinks = jax.random.normal(keys[4], (N,))
+    mask = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (B, T, T))
+    heads_major = lambda x: x.transpose(0, 2, 1, 3)
+    ours = lambda q, k, v, s: attention(q, heads_major(k), heads_major(v), mask, causal=causal, scale=scale, sinks=s)
+    ref = lambda q, k, v, s: reference_sink_attention(q, k, v, mask, s, scale)
+    np.testing.assert_allclose(np.asarray(ours(q, k, v, sinks)), np.asarray(ref(q, k, v, sinks)), atol=2e-6)
+    ones = jnp.ones((B, T, K, Hv))  # with v = 1 the output is each row's attention mass: < 1 with a sink
+    mass = np.asarray(attention(q, heads_major(k), heads_major(ones), mask, scale=scale, sinks=sinks))
+    assert np.all(mass < 1.0) and np.all(mass > 0.0)
+    loss = lambda fn: (lambda q, k, v, s: jnp.sum(fn(q, k, v, s) * w))
+    g_ours = jax.jit(jax.grad(loss(ours), argnums=(0, 1, 2, 3)))(q, k, v, sinks)
+    g_ref = jax.jit(jax.grad(loss(ref), argnums=(0, 1, 2, 3)))(q, k, v, sinks)
+    for a, b in zip(g_ours, g_ref, strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5)
+    assert np.max(np.abs(np.asarray(g_ours[3]))) > 1e-3  # the sinks do get a gradient
+
+
+def test_partial_rope_rotates_only_the_first_dims():
+    """GLM-4.5 (§9.2): cos/sin over d < H rotate the first d dims of each head; the rest pass through."""
+    x = jax.random.normal(jax.random.PRNGKey(0), (1, 5, 2, 16))
+    inv, _ = layers.rope_frequencies(8, 10000.0)
+    cos, sin = layers.rope_cos_sin(jnp.arange(5)[None], inv, jnp.float32)
+    y = layers.apply_rope(x, cos, sin)
+    np.testing.assert_array_equal(np.asarray(y[..., 8:]), np.asarray(x[..., 8:]))
+    np.testing.assert_allclose(np.asarray(y[..., :8]), np.asarray(layers.apply_rope(x[..., :8], cos, sin)))
+    np.testing.assert_allclose(np.asarray(y[:, 0]), np.asarray(x[:, 0]), atol=1e-7)  # position 0: identity
 
 
 def test_rope_inv_freq_default_and_llama3():
