@@ -27,7 +27,15 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 
 def main() -> None:
     import transformers
-    from parity_helpers import build_from_config, decode_logits, hf_logits, hf_reload_logits, rel_err, tiny_configs
+    from parity_helpers import (
+        build_from_config,
+        decode_logits,
+        hf_logits,
+        hf_reload_logits,
+        left_padded_rel_err,
+        rel_err,
+        tiny_configs,
+    )
 
     from models import from_pretrained, save_pretrained
 
@@ -36,9 +44,6 @@ def main() -> None:
     transformers.logging.disable_progress_bar()
     rng = np.random.default_rng(0)
     ids = rng.integers(0, 128, (2, 40)).astype(np.int32)
-    mask = np.ones_like(ids)
-    mask[1, :9] = 0
-    positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0)
     print("| architecture | forward rel err (padded batch) | decode vs forward rel err | our save → transformers |")
     print("|---|---|---|---|")
     for arch, config in tiny_configs().items():
@@ -46,9 +51,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             hf.save_pretrained(os.path.join(tmp, "hf"))
             model = from_pretrained(os.path.join(tmp, "hf"))
-            ours = np.asarray(model(jnp.asarray(ids), positions=jnp.asarray(positions), segment_ids=jnp.asarray(mask)))
-            ref = hf_logits(hf, ids, mask)
-            fwd = rel_err(ours[mask == 1], ref[mask == 1])
+            fwd = left_padded_rel_err(model, hf, ids, [0, 9])
             full = np.asarray(model(jnp.asarray(ids)))
             dec = rel_err(decode_logits(model, ids, 8), full)
             save_pretrained(model, os.path.join(tmp, "ours"))

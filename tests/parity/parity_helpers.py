@@ -142,6 +142,23 @@ def decode_logits(model, ids: np.ndarray, split: int) -> np.ndarray:
     return np.concatenate(out, axis=1)
 
 
+def left_padded_rel_err(model, hf, ids: np.ndarray, pads: list[int]) -> float:
+    """rel_err of our logits vs transformers' on real tokens, row r left-padded by pads[r] (positions
+    restart at each row's first real token; transformers gets the attention mask)."""
+    import jax.numpy as jnp
+
+    from models import jit_forward
+
+    mask = np.ones_like(ids)
+    for row, n in enumerate(pads):
+        mask[row, :n] = 0
+    positions = np.maximum(np.cumsum(mask, axis=1) - 1, 0)
+    ours = np.asarray(jit_forward(model)(jnp.asarray(ids), positions=jnp.asarray(positions),
+                                         segment_ids=jnp.asarray(mask)))
+    ref = hf_logits(hf, ids, mask)
+    return rel_err(ours[mask == 1], ref[mask == 1])
+
+
 def set_expert_impl(model, impl: str) -> int:
     """Switch every models.moe.Experts of `model` to dispatch `impl`; returns how many there are."""
     from flax import nnx
