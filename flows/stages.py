@@ -82,8 +82,15 @@ def _progress_reporter(name: str) -> Callable[[int, int, dict[str, float]], None
     def report(step: int, total: int, metrics: dict[str, float]) -> None:
         now = time.monotonic()
         if now - last[0] > 2.0 or step == total:  # a few UI updates per second at most
+            parts = [f"loss {metrics['loss']:.3f}"]
+            if "learning_rate" in metrics:
+                parts.append(f"lr {metrics['learning_rate']:.2e}")
+            if "tokens_per_s" in metrics:
+                parts.append(f"{metrics['tokens_per_s']:.0f} tok/s")
+            if "mfu" in metrics:
+                parts.append(f"MFU {metrics['mfu']:.1%}")
             update_progress_artifact(artifact_id, 100.0 * step / total,
-                                     description=f"{name}: step {step}/{total} loss {metrics['loss']:.3f}")
+                                     description=f"{name}: step {step}/{total} " + ", ".join(parts))
             last[0] = now
 
     return report

@@ -28,6 +28,27 @@ from flax import nnx
 from models.generate import KVCache
 from models.layers import Embed, Linear, RMSNorm, apply_rope, attention, param
 
+# Activation checkpointing per decoder layer (`DecoderLM.remat`, set by the trainer):
+#   "none": keep every activation; "full": keep only each layer's input and recompute the rest;
+#   "dots": also keep the matmul outputs (recompute only the cheap elementwise work).
+REMAT_POLICIES: dict[str, tuple[Callable | None] | None] = {
+    "none": None,
+    "full": (None,),
+    "dots": (jax.checkpoint_policies.dots_with_no_batch_dims_saveable,),
+}
+
+
+def set_compute_dtype(model: nnx.Module, dtype: Any) -> nnx.Module:
+    """Run every layer's matmuls in `dtype` (e.g. bf16) while the parameters keep their own dtype
+    (fp32 master weights); norms, softmax and the loss upcast to fp32 themselves, and MoE routers stay
+    in fp32 so that expert selection does not flip on bf16 rounding."""
+    from models.moe import Router
+
+    for _, node in nnx.iter_graph(model):
+        if isinstance(node, nnx.Module) and hasattr(node, "dtype") and not isinstance(node, RMSNorm | Router):
+            node.dtype = dtype
+    return model
+
 # ------------------------------------------------------------------------------------------------
 # Per-call context: positions, masks (full and per sliding window), cache slots, rotary tables
 # ------------------------------------------------------------------------------------------------
@@ -321,8 +342,15 @@ class DecoderLM(nnx.Module):
         ctx.rope = self.rope(ctx.positions)
         x = self.embed_tokens(input_ids)  # [B, T, D]
         hidden: dict[int, jax.Array] = {}
+        policy = REMAT_POLICIES[getattr(self, "remat", "none")]
         for i in range(L):
-            x, cache = self.layers[i](x, ctx, cache, i)
+            if policy is not None and cache is None:
+                # Recompute the layer in the backward pass instead of keeping its activations.
+                layer_fn = nnx.remat(lambda layer, h, i=i: layer(h, ctx, None, i)[0], policy=policy[0],
+                                     prevent_cse=True)
+                x = layer_fn(self.layers[i], x)
+            else:
+                x, cache = self.layers[i](x, ctx, cache, i)
             if i in wanted:
                 hidden[i] = x
         x = self.norm(x)

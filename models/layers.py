@@ -54,11 +54,13 @@ class Buffer(nnx.Variable):
 
 
 class Linear(nnx.Module):
-    """y = x @ kernel (+ bias) (+ scale · (x @ lora_a) @ lora_b).
+    """y = x @ kernel (+ bias) (+ scale · (dropout(x) @ lora_a) @ lora_b).
 
     States (see models/lora.py and models/quant.py for the transitions):
       float:     kernel Param [in, out]
-      LoRA:      kernel Param + lora_a LoRAParam [in, r] + lora_b LoRAParam [r, out], lora_scale = alpha/r
+      LoRA:      kernel Param + lora_a LoRAParam [in, r] + lora_b LoRAParam [r, out], lora_scale = alpha/r,
+                 and with a dropout rate > 0 an nnx.Dropout on the LoRA branch's input only (PEFT's
+                 lora_dropout; its own 'dropout' RngStream, off after `model.eval()`)
       int8:      qweight QuantWeight int8 [in, out] + scale QuantScale [out]; kernel is None
     """
 
@@ -81,10 +83,33 @@ class Linear(nnx.Module):
         self.bias = nnx.data(param(jnp.zeros((out_features,), param_dtype), (axes[1],)) if use_bias else None)
         self.lora_a = nnx.data(None)
         self.lora_b = nnx.data(None)
+        self.lora_dropout = nnx.data(None)
         self.lora_scale = 0.0  # alpha / r
         self.lora_rank, self.lora_alpha = 0, 0.0
         self.qweight = nnx.data(None)
         self.scale = nnx.data(None)
+
+    def add_lora(self, rank: int, alpha: float, *, key: jax.Array, dropout: float = 0.0,
+                 dropout_rngs: nnx.RngStream | None = None) -> None:
+        """lora_a [in, r] ~ U(±1/sqrt(in)) (PEFT's kaiming-uniform, a=sqrt(5)), lora_b [r, out] = 0."""
+        if self.lora_a is not None:
+            raise ValueError("LoRA is already applied; merge_lora first")
+        dtype = self.qweight[...].dtype if self.kernel is None else self.kernel[...].dtype
+        dtype = jnp.float32 if dtype == jnp.int8 else dtype
+        bound = 1.0 / np.sqrt(self.in_features)
+        a = jax.random.uniform(key, (self.in_features, rank), dtype, -bound, bound)
+        self.lora_a = param(a, (self.axes[0], None), nnx.LoRAParam)  # [in, r]
+        self.lora_b = param(jnp.zeros((rank, self.out_features), dtype), (None, self.axes[1]), nnx.LoRAParam)
+        self.lora_dropout = nnx.Dropout(dropout, rngs=dropout_rngs) if dropout > 0 else None
+        self.lora_scale, self.lora_rank, self.lora_alpha = float(alpha) / rank, rank, float(alpha)
+
+    def merge_lora(self) -> None:
+        """Fold the adapter into the kernel (W += scale · A B) and drop the factors."""
+        if self.kernel is None:
+            raise ValueError("cannot merge LoRA into an int8 Linear; merge before quantize_int8")
+        self.kernel[...] = self.weight().astype(self.kernel[...].dtype)
+        self.lora_a = self.lora_b = self.lora_dropout = None
+        self.lora_scale, self.lora_rank, self.lora_alpha = 0.0, 0, 0.0
 
     def weight(self) -> jax.Array:
         """The effective float kernel [in, out]: dequantized and with LoRA folded in."""
@@ -108,7 +133,8 @@ class Linear(nnx.Module):
         else:
             y = x @ self.kernel[...].astype(self.dtype)
         if self.lora_a is not None:
-            a = x @ self.lora_a[...].astype(self.dtype)  # [B*T, r]
+            h = x if self.lora_dropout is None else self.lora_dropout(x)  # dropout on the LoRA branch only
+            a = h @ self.lora_a[...].astype(self.dtype)  # [B*T, r]
             y = y + (a @ self.lora_b[...].astype(self.dtype)) * self.lora_scale
         if self.bias is not None:
             y = y + self.bias[...].astype(self.dtype)

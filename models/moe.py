@@ -205,6 +205,13 @@ class Experts(nnx.Module):
     HF layout "per_expert" (Qwen3-MoE, DeepSeek, GLM on disk): `<prefix>.{e}.gate_proj.weight` [I, D],
     `up_proj` [I, D], `down_proj` [D, I]. "gpt_oss": `<prefix>.gate_up_proj` [E, D, 2I] with gate/up
     interleaved (even/odd columns), `gate_up_proj_bias` [E, 2I], `down_proj` [E, I, D], `down_proj_bias` [E, D].
+
+    LoRA (models/lora.py; PEFT's ParamWrapper on transformers 5's fused `gate_up_proj` / `down_proj`):
+    per-expert factors, all nnx.LoRAParam, gate_up_lora_a [E, D, r] / gate_up_lora_b [E, r, 2I] and
+    down_lora_a [E, I, r] / down_lora_b [E, r, D]; expert e computes x W_e + scale · (drop(x) A_e) B_e in
+    every impl (the grouped impls run the two factors as two more grouped matmuls: no [E, D, 2I] delta).
+    LoRA dropout draws its masks per routed row in the grouped impls and per (expert, token) in the dense
+    one, so grouped == dense holds with dropout off (`eval()`).
     """
 
     def __init__(
@@ -225,6 +232,56 @@ class Experts(nnx.Module):
         self.gate_up_bias = nnx.data(param(jnp.zeros((E, 2 * I), param_dtype), ("expert", "mlp")) if use_bias
                                      else None)
         self.down_bias = nnx.data(param(jnp.zeros((E, D), param_dtype), ("expert", "embed")) if use_bias else None)
+        self.gate_up_lora_a = nnx.data(None)
+        self.gate_up_lora_b = nnx.data(None)
+        self.down_lora_a = nnx.data(None)
+        self.down_lora_b = nnx.data(None)
+        self.lora_dropout = nnx.data(None)
+        self.lora_scale = 0.0  # alpha / r
+        self.lora_rank, self.lora_alpha = 0, 0.0
+
+    # -- LoRA ------------------------------------------------------------------------------------
+
+    def add_lora(self, rank: int, alpha: float, *, key: jax.Array, dropout: float = 0.0,
+                 dropout_rngs: nnx.RngStream | None = None) -> None:
+        """A factors ~ U(±1/sqrt(fan_in)) per expert (PEFT's kaiming-uniform), B factors = 0."""
+        if self.gate_up_lora_a is not None:
+            raise ValueError("LoRA is already applied; merge_lora first")
+        E, D, I, r = self.num_experts, self.hidden_size, self.intermediate_size, rank
+        dtype = self.gate_up[...].dtype
+        k1, k2 = jax.random.split(key)
+        b1, b2 = 1.0 / np.sqrt(D), 1.0 / np.sqrt(I)
+        self.gate_up_lora_a = param(jax.random.uniform(k1, (E, D, r), dtype, -b1, b1), ("expert", "embed", None),
+                                    nnx.LoRAParam)  # [E, D, r]
+        self.gate_up_lora_b = param(jnp.zeros((E, r, 2 * I), dtype), ("expert", None, "mlp"), nnx.LoRAParam)
+        self.down_lora_a = param(jax.random.uniform(k2, (E, I, r), dtype, -b2, b2), ("expert", "mlp", None),
+                                 nnx.LoRAParam)  # [E, I, r]
+        self.down_lora_b = param(jnp.zeros((E, r, D), dtype), ("expert", None, "embed"), nnx.LoRAParam)
+        self.lora_dropout = nnx.Dropout(dropout, rngs=dropout_rngs) if dropout > 0 else None
+        self.lora_scale, self.lora_rank, self.lora_alpha = float(alpha) / rank, rank, float(alpha)
+
+    def weights(self) -> tuple[jax.Array, jax.Array]:
+        """The effective (gate_up [E, D, 2I], down [E, I, D]) with LoRA folded in."""
+        gu, down = self.gate_up[...], self.down[...]
+        if self.gate_up_lora_a is not None:
+            s = self.lora_scale
+            gu = gu + (s * jnp.einsum("edr,erf->edf", self.gate_up_lora_a[...], self.gate_up_lora_b[...])
+                       ).astype(gu.dtype)
+            down = down + (s * jnp.einsum("eir,erd->eid", self.down_lora_a[...], self.down_lora_b[...])
+                           ).astype(down.dtype)
+        return gu, down
+
+    def merge_lora(self) -> None:
+        """Fold the adapters into gate_up / down and drop the factors."""
+        gu, down = self.weights()
+        self.gate_up[...], self.down[...] = gu, down
+        self.gate_up_lora_a = self.gate_up_lora_b = self.down_lora_a = self.down_lora_b = None
+        self.lora_dropout = None
+        self.lora_scale, self.lora_rank, self.lora_alpha = 0.0, 0, 0.0
+
+    def _lora_in(self, x: jax.Array) -> jax.Array:
+        """The LoRA branch's input: dropout on it only (the base matmul sees x unchanged)."""
+        return x if self.lora_dropout is None else self.lora_dropout(x)
 
     # -- math ------------------------------------------------------------------------------------
 
@@ -250,10 +307,22 @@ class Experts(nnx.Module):
         token = order // k  # [R] source token of each sorted row
         expert = flat[order]  # [R]
         sizes = jnp.bincount(flat, length=E).astype(jnp.int32)  # [E]
-        gu = grouped_matmul(x[token], self.gate_up[...], sizes, impl=impl)  # [R, 2I]
+        lora = self.gate_up_lora_a is not None
+
+        def lora_delta(h: jax.Array, a: nnx.Variable, b: nnx.Variable) -> jax.Array:  # [R, in] -> [R, out]
+            t = grouped_matmul(self._lora_in(h), a[...], sizes, impl=impl)  # [R, r]
+            return grouped_matmul(t, b[...], sizes, impl=impl) * jnp.asarray(self.lora_scale, h.dtype)
+
+        xs = x[token]  # [R, D]
+        gu = grouped_matmul(xs, self.gate_up[...], sizes, impl=impl)  # [R, 2I]
+        if lora:
+            gu = gu + lora_delta(xs, self.gate_up_lora_a, self.gate_up_lora_b)
         if self.gate_up_bias is not None:
             gu = gu + self.gate_up_bias[...].astype(self.dtype)[expert]
-        y = grouped_matmul(self.act(gu), self.down[...], sizes, impl=impl)  # [R, D]
+        h = self.act(gu)  # [R, I]
+        y = grouped_matmul(h, self.down[...], sizes, impl=impl)  # [R, D]
+        if lora:
+            y = y + lora_delta(h, self.down_lora_a, self.down_lora_b)
         if self.down_bias is not None:
             y = y + self.down_bias[...].astype(self.dtype)[expert]
         y = y * w.reshape(-1)[order][:, None].astype(y.dtype)
@@ -262,10 +331,19 @@ class Experts(nnx.Module):
     def _dense(self, x: jax.Array, idx: jax.Array, w: jax.Array) -> jax.Array:
         """Reference: every token through every expert, then the routing weights pick [T, D]."""
         x = x.astype(self.dtype)
+        lora = self.gate_up_lora_a is not None
+        scale = jnp.asarray(self.lora_scale, self.dtype)
         gu = jnp.einsum("td,edf->etf", x, self.gate_up[...].astype(self.dtype))  # [E, T, 2I]
+        if lora:
+            t = jnp.einsum("td,edr->etr", self._lora_in(x), self.gate_up_lora_a[...].astype(self.dtype))  # [E, T, r]
+            gu = gu + jnp.einsum("etr,erf->etf", t, self.gate_up_lora_b[...].astype(self.dtype)) * scale
         if self.gate_up_bias is not None:
             gu = gu + self.gate_up_bias[...].astype(self.dtype)[:, None, :]
-        y = jnp.einsum("eti,eid->etd", self.act(gu), self.down[...].astype(self.dtype))  # [E, T, D]
+        h = self.act(gu)  # [E, T, I]
+        y = jnp.einsum("eti,eid->etd", h, self.down[...].astype(self.dtype))  # [E, T, D]
+        if lora:
+            t = jnp.einsum("eti,eir->etr", self._lora_in(h), self.down_lora_a[...].astype(self.dtype))  # [E, T, r]
+            y = y + jnp.einsum("etr,erd->etd", t, self.down_lora_b[...].astype(self.dtype)) * scale
         if self.down_bias is not None:
             y = y + self.down_bias[...].astype(self.dtype)[:, None, :]
         combine = jnp.zeros((x.shape[0], self.num_experts), jnp.float32)
@@ -276,7 +354,7 @@ class Experts(nnx.Module):
 
     def hf_export(self) -> dict[str, jax.Array]:
         I = self.intermediate_size
-        gu, down = self.gate_up[...], self.down[...]
+        gu, down = self.weights()  # LoRA (if any) folded in, as Linear.weight() does
         if self.hf_layout == "gpt_oss":
             inter = jnp.stack([gu[..., :I], gu[..., I:]], axis=-1).reshape(gu.shape)  # gate even, up odd
             out = {"gate_up_proj": inter, "down_proj": down}
@@ -329,6 +407,22 @@ class Experts(nnx.Module):
 # ------------------------------------------------------------------------------------------------
 
 
+def load_balancing_loss(logits: jax.Array, idx: jax.Array, scoring: str) -> jax.Array:
+    """Switch-Transformer load balancing, as transformers' `load_balancing_loss_func`:
+    E · Σ_e f_e · P_e with f_e the fraction of tokens routed to expert e (top-k counted k times) and
+    P_e the mean router probability; k for a perfectly balanced router. Sigmoid routers (DeepSeek-V3's
+    complementary sequence-wise loss) use their scores normalised per token as probabilities."""
+    E = logits.shape[-1]
+    logits = logits.astype(jnp.float32)  # [T, E]
+    if scoring == "sigmoid":
+        scores = jax.nn.sigmoid(logits)
+        probs = scores / jnp.sum(scores, axis=-1, keepdims=True)
+    else:
+        probs = jax.nn.softmax(logits, axis=-1)
+    routed = jnp.sum(jax.nn.one_hot(idx, E, dtype=jnp.float32), axis=1)  # [T, E] (k ones per token)
+    return E * jnp.sum(jnp.mean(routed, axis=0) * jnp.mean(probs, axis=0))
+
+
 class MoE(nnx.Module):
     """Σ_k w_k · expert_k(x) (+ shared experts on every token). The router lives at `router_name`
     ("gate" for Qwen3-MoE / DeepSeek / GLM, "router" for GPT-OSS) so HF names map structurally."""
@@ -339,6 +433,7 @@ class MoE(nnx.Module):
         setattr(self, router_name, router)
         self.experts = experts
         self.shared_experts = nnx.data(shared_experts)
+        self.collect_aux = False  # the trainer turns this on: sow the load-balancing loss per call
 
     def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         return getattr(self, self.router_name)(x)
@@ -346,7 +441,10 @@ class MoE(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         lead = x.shape[:-1]
         flat = x.reshape(-1, x.shape[-1])  # [T, D]
-        w, idx, _ = self.route(flat)
+        w, idx, logits = self.route(flat)
+        if self.collect_aux:
+            router = getattr(self, self.router_name)
+            self.sow(nnx.Intermediate, "aux_loss", load_balancing_loss(logits, idx, router.scoring))
         y = self.experts(flat, idx, w).astype(x.dtype)
         if self.shared_experts is not None:
             y = y + self.shared_experts(flat)

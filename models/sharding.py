@@ -29,7 +29,7 @@ MESH_AXES = ("data", "fsdp", "tensor", "expert")
 MeshAxes = str | tuple[str, ...] | None
 
 RULES: dict[str, MeshAxes] = {
-    "batch": ("data", "fsdp"),
+    "batch": ("data", "fsdp", "expert"),  # expert-parallel devices also split the batch (as MaxText)
     "length": None,
     "vocab": "tensor",
     "embed": "fsdp",
@@ -67,7 +67,8 @@ def logical_to_spec(names: Sequence[str | None], rules: Mapping[str, MeshAxes] =
         if name is not None and name not in rules:
             raise KeyError(f"no sharding rule for logical axis {name!r}")
         axes_t = (axes,) if isinstance(axes, str) else tuple(axes or ())
-        axes_t = tuple(a for a in axes_t if a not in used and (mesh is None or a in mesh.shape))
+        # a mesh axis of size 1 shards nothing: leave it out so specs say what is really split
+        axes_t = tuple(a for a in axes_t if a not in used and (mesh is None or mesh.shape.get(a, 1) > 1))
         if shape is not None and mesh is not None and axes_t:
             size = math.prod(mesh.shape[a] for a in axes_t)
             if shape[i] % size:

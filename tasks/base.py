@@ -78,7 +78,8 @@ def pretrain(cfg: BaseConfig, data_dir: Path, out_dir: Path, *, checkpoints: Che
     n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     log.info("base: pretraining a %s with %.2fM parameters from scratch", config.architecture, n_params / 1e6)
     trainer = Trainer(model, cfg.train, trainable=nnx.Param)
-    metrics = fit(trainer, data_dir, checkpoints=checkpoints, progress=progress, label="base")
+    metrics = fit(trainer, data_dir, checkpoints=checkpoints, progress=progress, label="base",
+                  logdir=out_dir / "tensorboard")
     save_model_dir(trainer.model(), out_dir / "model", data_dir)
     return {**metrics, "source": "pretrained", "params": int(n_params)}
 
@@ -101,7 +102,7 @@ def compute(cfg: BaseConfig, progress: Progress | None = None):
         if cfg.url is not None:
             return import_checkpoint(cfg.url, ctx.out_dir)
         ckpt = Checkpoints(work_root() / "ckpt" / ctx.kind / ctx.fingerprint, ctx.store,
-                           f"{ctx.kind}/{ctx.fingerprint}")
+                           f"{ctx.kind}/{ctx.fingerprint}", keep=cfg.train.keep_checkpoints)
         try:
             return pretrain(cfg, ctx.inputs["data"], ctx.out_dir, checkpoints=ckpt, progress=progress)
         finally:

@@ -38,9 +38,13 @@ def stage_main(doc: str, config_cls: type[BaseModel], args: dict[str, dict[str, 
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    from tasks.distributed import initialize_from_env
+    from tasks.train import TrainingDiverged
+
     try:
+        initialize_from_env()  # a no-op unless JAX_COORDINATOR_ADDRESS etc. describe a multi-host job
         stats = run(cfg, a)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, TrainingDiverged) as e:
         print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
         sys.exit(1)
     print(json.dumps(stats, indent=1, default=str))

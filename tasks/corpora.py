@@ -7,6 +7,10 @@ A `Document` is `(group, prompt, completion, history)`:
 - `prompt is None` for plain text: the whole `completion` is trained on.
 - otherwise `prompt` is context (no loss) and `completion` is trained on; `history` holds the earlier
   `(prompt, completion)` exchanges of a multi-turn chat, whose completions are trained on too.
+- `messages` is set for chat documents only: the conversation itself (`[{role, content}, ...]`), which
+  data_prep renders with the tokenizer's chat template (tasks/chat.py). Their prompt/completion/history
+  are the default template's rendering of it without bos/eos (kept for readers of `Document`s and
+  for the tokenizer-training text).
 
 Sources (`resolve(corpus)` picks one):
 
@@ -38,9 +42,9 @@ from typing import NamedTuple
 
 log = logging.getLogger(__name__)
 
-# Chat template markers (special tokens of the tokenizer data_prep trains). An exchange renders as
-# "<|user|>\n{user}\n<|assistant|>\n" (context) + "{assistant}" (trained) + the eos token id, which
-# the packer appends at the token level so it is the tokenizer's real eos whatever its spelling.
+# Markers of the default chat template (special tokens of the tokenizer data_prep trains; the template
+# itself is tasks/chat.py DEFAULT_CHAT_TEMPLATE). An exchange renders as "<|user|>\n{system/user
+# messages, blank-line separated}\n<|assistant|>\n" (context) + "{assistant}" (trained) + eos.
 USER = "<|user|>"
 ASSISTANT = "<|assistant|>"
 
@@ -52,6 +56,7 @@ class Document(NamedTuple):
     prompt: str | None
     completion: str
     history: tuple[tuple[str, str], ...] = ()
+    messages: tuple[dict, ...] | None = None  # chat documents: the conversation, rendered by data_prep
 
 
 DocumentSource = Callable[[], Iterator[Document]]
@@ -105,38 +110,35 @@ def _string_or_id(value, fallback: str) -> str:
 
 
 def chat_document(group: str, messages, where: str) -> Document:
-    """Render a `[{role, content}, ...]` conversation; loss on the assistant turns only."""
+    """A `[{role, content}, ...]` conversation (roles system, user, assistant); loss on the assistant turns only.
+
+    `messages` keeps the conversation for data_prep's chat template; prompt/completion/history are the
+    default template's exchanges: every system/user message since the previous answer, in order and
+    blank-line separated, in one `<|user|>` block, then `<|assistant|>`. Messages after the last
+    assistant turn carry no loss and are dropped.
+    """
     if not isinstance(messages, list | tuple) or not messages:
         raise ValueError(f"{where}: messages must be a non-empty list of {{role, content}}")
     exchanges: list[tuple[str, str]] = []
-    system: list[str] = []
-    user: list[str] = []
+    block: list[str] = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(
             m.get("content"), str
         ):
             raise ValueError(f"{where}: messages[{i}] must be an object with string role and content")
         role, content = m["role"], m["content"]
-        if role == "system":
-            system.append(content)
-        elif role == "user":
-            user.append(content)
+        if role in ("system", "user"):
+            block.append(content)
         elif role == "assistant":
-            if user or system:
-                # system turns are prepended to the (next) user turn
-                parts = ["\n".join(system)] if system else []
-                parts += ["\n".join(user)] if user else []
-                prompt = f"{USER}\n" + "\n\n".join(parts) + f"\n{ASSISTANT}\n"
-            else:
-                prompt = f"{ASSISTANT}\n"
+            prompt = (f"{USER}\n" + "\n\n".join(block) + "\n" if block else "") + f"{ASSISTANT}\n"
             exchanges.append((prompt, content))
-            system, user = [], []
+            block = []
         else:
             raise ValueError(f"{where}: messages[{i}] has role {role!r} (expected system, user or assistant)")
     if not exchanges:
         raise ValueError(f"{where}: conversation has no assistant turn to train on")
     prompt, completion = exchanges[-1]
-    return Document(group, prompt, completion, tuple(exchanges[:-1]))
+    return Document(group, prompt, completion, tuple(exchanges[:-1]), tuple(dict(m) for m in messages))
 
 
 def record_document(rec, group: str, where: str, text_field: str, messages_field: str) -> Document:

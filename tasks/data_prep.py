@@ -15,11 +15,31 @@ Output folder (the stage framework uploads it and writes the manifest; this modu
                               the row, 0 = padding), loss_mask int8 (1 where target_ids is a real next
                               token of the same document and inside its loss region)
     prompts.parquet         held-out generation prompts from the valid split: prompt_ids (bos + prompt),
-                            reference_ids (true continuation [+ eos]), prompt_text
+                            reference_ids (true continuation [+ eos]), prompt_text (the prompt, without
+                            a leading bos)
 
-Documents are `bos + tokens + eos`. Plain text trains on every target; prompt/completion and chat
-documents train on completion targets only (and the eos closing each assistant turn). The split is a
-sha1 hash of the document's group (`split_of`), unsalted so that every corpus and every run agrees.
+Documents are `bos + tokens + eos`. Plain text trains on every target; prompt/completion documents
+train on the completion and its eos only. The split is a sha1 hash of the document's group
+(`split_of`), unsalted so that every corpus and every run agrees.
+
+Chat documents (a `messages` list, see tasks/corpora.py) are rendered with a chat template
+(tasks/chat.py): `chat_template.jinja` beside the given tokenizer.json, else its tokenizer_config.json's
+`chat_template` (a string, or the list entry named "default"), rendered in transformers' sandboxed
+Jinja environment; without either (and always for a tokenizer trained here) `chat.DEFAULT_CHAT_TEMPLATE`,
+the format this stage has always written (system and user messages share one block):
+
+    <|bos|><|user|>\\n{system}\\n\\n{user}\\n<|assistant|>\\n{answer}<|eos|><|user|>\\n{user}\\n ...
+
+The render is cut into context and answers by rendering prefixes (`messages[:i]` with the generation
+prompt ends where answer i starts, `messages[:i+1]` where it stops, trailing whitespace excluded);
+each piece is tokenized on its own (no post-processor) and only the answers -- every assistant
+message's text and its end-of-turn marker -- are loss targets. Messages after the last assistant turn
+are dropped. bos is put in front when the render does not start with it; when the last answer does
+not end with the eos token (ChatML's `<|im_end|>` is not eos for a base tokenizer), eos is appended
+and trained, together with the whitespace before it, so that generation stops. A template whose
+prefix renders are not prefixes of the whole render is rejected (one error line naming the file and
+field). The held-out prompt of a chat document is the conversation up to its last assistant message
+rendered with the generation prompt; its reference is the last answer (+ eos).
 
 Everything is streamed: the corpus is read lazily twice (once to train the tokenizer when none is
 given, once to pack), documents are tokenized in small batches, at most `_OPEN_ROWS` partly filled
@@ -47,7 +67,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from tasks import corpora
+from tasks import chat, corpora
 from tasks.corpora import Document
 
 log = logging.getLogger(__name__)
@@ -164,20 +184,43 @@ def _read_bytes(location: str) -> bytes:
     return Path(location).read_bytes()
 
 
-def load_tokenizer(location: Path | str) -> tuple[bytes, dict | None]:
-    """The raw tokenizer.json (a file, or a checkpoint folder holding one) and its tokenizer_config.json."""
+def _tokenizer_file(location: Path | str) -> str:
     loc = str(location)
     if "://" not in loc and Path(loc).is_dir():
         loc = str(Path(loc) / "tokenizer.json")
+    return loc
+
+
+def _beside(loc: str, name: str) -> str | None:
+    return loc.rsplit("/", 1)[0] + "/" + name if "/" in loc else None
+
+
+def load_tokenizer(location: Path | str) -> tuple[bytes, dict | None]:
+    """The raw tokenizer.json (a file, or a checkpoint folder holding one) and its tokenizer_config.json."""
+    loc = _tokenizer_file(location)
     try:
         raw = _read_bytes(loc)
     except FileNotFoundError:
         raise ValueError(f"tokenizer: no such file: {loc}") from None
     try:
-        cfg = json.loads(_read_bytes(loc.rsplit("/", 1)[0] + "/tokenizer_config.json")) if "/" in loc else None
+        cfg = json.loads(_read_bytes(path)) if (path := _beside(loc, "tokenizer_config.json")) else None
     except (OSError, ValueError):
         cfg = None
     return raw, cfg if isinstance(cfg, dict) else None
+
+
+def load_chat_template(location: Path | str | None, tokenizer_config: dict | None, sp: dict) -> chat.ChatTemplate:
+    """The template chat documents are rendered with: chat_template.jinja beside the tokenizer.json at
+    `location`, else tokenizer_config's chat_template, else chat.DEFAULT_CHAT_TEMPLATE (see tasks/chat.py)."""
+    loc = _tokenizer_file(location) if location is not None else None
+    template_file = None
+    if loc is not None and (path := _beside(loc, "chat_template.jinja")):
+        try:
+            template_file = _read_bytes(path).decode("utf-8")
+        except (OSError, UnicodeDecodeError):
+            template_file = None
+    folder = loc.rsplit("/", 1)[0] if loc and "/" in loc else ""
+    return chat.load(tokenizer_config, sp, template_file=template_file, folder=folder)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -307,7 +350,38 @@ def _assemble(doc: Document, piece_ids: list[list[int]], sp: dict) -> tuple[np.n
     return np.asarray(ids, np.int32), np.asarray(mask, np.bool_), start
 
 
-def _prompt_record(doc: Document, ids: np.ndarray, start: int, tok, sp: dict, seq_len: int) -> dict | None:
+def _chat_pieces(doc: Document, template: chat.ChatTemplate) -> list[str]:
+    try:
+        return template.pieces(doc.messages)
+    except ValueError as e:
+        raise ValueError(f"{e} (document {doc.group!r})") from None
+
+
+def _assemble_chat(piece_ids: list[list[int]], sp: dict) -> tuple[np.ndarray, np.ndarray, int]:
+    """Chat pieces [context, answer, ..., answer, context] as (ids, trainable, start of the last answer).
+
+    bos goes in front unless the template rendered it; eos is appended (trained, with the whitespace
+    context before it) unless the last answer already ends with it.
+    """
+    bos, eos = sp["bos"], sp["eos"]
+    ids: list[int] = []
+    mask: list[bool] = []
+    if not piece_ids[0] or piece_ids[0][0] != bos:
+        ids.append(bos)
+        mask.append(False)
+    for k, p in enumerate(piece_ids):
+        ids += p
+        mask += [k % 2 == 1] * len(p)  # odd pieces are answers
+    start = len(ids) - len(piece_ids[-1]) - len(piece_ids[-2])
+    if not piece_ids[-2] or piece_ids[-2][-1] != eos:
+        mask[len(ids) - len(piece_ids[-1]):] = [True] * len(piece_ids[-1])
+        ids.append(eos)
+        mask.append(True)
+    return np.asarray(ids, np.int32), np.asarray(mask, np.bool_), start
+
+
+def _prompt_record(doc: Document, pieces: list[str], ids: np.ndarray, trainable: np.ndarray, start: int, tok,
+                   sp: dict, seq_len: int) -> dict | None:
     if doc.prompt is None:
         toks = ids[1:-1]
         n = min(len(toks) // 2, PROMPT_CAP)
@@ -320,8 +394,12 @@ def _prompt_record(doc: Document, ids: np.ndarray, start: int, tok, sp: dict, se
                 "prompt_text": tok.decode(toks[:n].tolist(), skip_special_tokens=False)}
     if start >= seq_len:  # the prompt alone fills the trained context: useless for generation
         return None
-    text = "".join(p + c + sp["eos_token"] for p, c in doc.history) + doc.prompt
-    return {"prompt_ids": ids[:start].tolist(), "reference_ids": ids[start:][: seq_len - start].tolist(),
+    if doc.messages is not None:  # the conversation before its last answer, with the generation prompt
+        text = "".join(pieces[:-2]).removeprefix(sp["bos_token"])
+    else:
+        text = "".join(p + c + sp["eos_token"] for p, c in doc.history) + doc.prompt
+    stop = int(np.flatnonzero(trainable)[-1]) + 1  # the last answer ends at its last trained token
+    return {"prompt_ids": ids[:start].tolist(), "reference_ids": ids[start:stop][: seq_len - start].tolist(),
             "prompt_text": text}
 
 
@@ -406,35 +484,41 @@ def _prepare(source, cfg: DataPrepConfig, work: Path, tokenizer_json, name: str)
                  time.perf_counter() - t)
         tok.save(str(work / "tokenizer.json"))
         sp = find_special_tokens(tok)
+        tok_cfg = None
         tokenizer_kind = "trained"
     sp["vocab_size"] = tok.get_vocab_size(with_added_tokens=True)
     (work / "special_tokens.json").write_text(json.dumps(sp, indent=2) + "\n")
+    template = load_chat_template(tokenizer_json, tok_cfg, sp)  # chat documents: see the module docstring
 
     # 2. pack
     writers = {s: _ShardWriter(work, s, cfg.seq_len, cfg.shard_rows, sp["pad"]) for s in SPLITS}
     counts = {s: {"documents": 0, "tokens": 0, "chunked_documents": 0} for s in SPLITS}
-    skipped_empty = 0
+    skipped_empty = n_chat = 0
     reservoir: list[tuple[int, dict]] = []
     rng = random.Random(cfg.seed)
     n_candidates = 0
     last_log = time.perf_counter()
     for batch in _batches(_documents(source, cfg)):
-        pieces = [_doc_pieces(d) for d in batch]
+        pieces = [_doc_pieces(d) if d.messages is None else _chat_pieces(d, template) for d in batch]
         flat = _encode_pieces(tok, [p for ps in pieces for p in ps])
         k = 0
         for doc, ps in zip(batch, pieces, strict=True):
             piece_ids, k = flat[k : k + len(ps)], k + len(ps)
-            if not piece_ids[-1]:  # nothing to train on
+            if doc.messages is not None:
+                ids, trainable, start = _assemble_chat(piece_ids, sp)
+                n_chat += 1
+            elif not piece_ids[-1]:  # nothing to train on
                 skipped_empty += 1
                 continue
-            ids, trainable, start = _assemble(doc, piece_ids, sp)
+            else:
+                ids, trainable, start = _assemble(doc, piece_ids, sp)
             split = split_of(doc.group, cfg.valid_fraction)
             c = counts[split]
             c["documents"] += 1
             c["tokens"] += len(ids)
             c["chunked_documents"] += writers[split].add_document(ids, trainable) > 1
             if split == "valid" and cfg.max_prompts:
-                rec = _prompt_record(doc, ids, start, tok, sp, cfg.seq_len)
+                rec = _prompt_record(doc, ps, ids, trainable, start, tok, sp, cfg.seq_len)
                 if rec is not None:  # reservoir sample: bounded memory, seeded choice
                     if len(reservoir) < cfg.max_prompts:
                         reservoir.append((n_candidates, rec))
@@ -467,6 +551,9 @@ def _prepare(source, cfg: DataPrepConfig, work: Path, tokenizer_json, name: str)
         "seq_len": cfg.seq_len,
         "documents": {s: counts[s]["documents"] for s in SPLITS},
         "skipped_empty_documents": skipped_empty,
+        "chat_documents": n_chat,
+        "chat_template": ("default" if template.where == chat.DEFAULT_WHERE  # or the file it came from
+                          else template.where.rsplit("/", 1)[-1].split(":")[0]),
         "chunked_documents": {s: counts[s]["chunked_documents"] for s in SPLITS},
         "tokens": {s: counts[s]["tokens"] for s in SPLITS},
         "loss_tokens": {s: rows[s]["loss_tokens"] for s in SPLITS},

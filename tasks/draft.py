@@ -68,7 +68,7 @@ def train_draft(cfg: DraftConfig, target_dir: Path, traces_dir: Path, out_dir: P
             init_dir = Path(tmp)
         draft = models.from_pretrained(str(init_dir))
     trainer = Trainer(draft, cfg.train, trainable=nnx.Param)
-    metrics = fit(trainer, traces_dir, progress=progress, label="draft")
+    metrics = fit(trainer, traces_dir, progress=progress, label="draft", logdir=out_dir / "tensorboard")
     dest = out_dir / "draft"
     save_model_dir(trainer.model(), dest, traces_dir)
     target_cfg = json.loads((target_dir / "config.json").read_text())

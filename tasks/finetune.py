@@ -21,24 +21,29 @@ from flax import nnx
 from pydantic import BaseModel, ConfigDict, Field
 
 import models
+import storage
 from models import lora
 from storage import Store
 from tasks.cli import OPTIONAL_PATH, PATH, stage_main
+from tasks.distributed import is_primary
 from tasks.stage import StageContext, work_root
 from tasks.train import Checkpoints, Progress, TrainConfig, Trainer, fit
 
 log = logging.getLogger("forgeline.finetune")
 
-ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
 
 class FinetuneConfig(BaseModel):
+    """`mode: lora` trains only adapters on the modules whose HF path fullmatches one of `lora_targets`
+    (regexes; a bare name like `q_proj` matches that module in every layer; the default is every
+    projection: attention incl. MLA, dense MLP, shared and routed experts, never routers or the head)."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     mode: Literal["lora", "full"] = "lora"
     lora_rank: int = Field(16, ge=1)
     lora_alpha: float = Field(32.0, gt=0)
-    lora_targets: tuple[str, ...] = ALL_LINEAR
+    lora_dropout: float = Field(0.0, ge=0, lt=1)
+    lora_targets: tuple[str, ...] = lora.ALL_LINEAR
     train: TrainConfig = TrainConfig(steps=150, learning_rate=2e-3, warmup_steps=10, checkpoint_every=50)
 
 
@@ -62,18 +67,21 @@ def finetune(
 ) -> dict[str, Any]:
     model = models.from_pretrained(str(base_dir), dtype=jnp.float32)
     if cfg.mode == "lora":
-        lora.apply_lora(model, rank=cfg.lora_rank, alpha=cfg.lora_alpha, target_modules=cfg.lora_targets,
-                        rngs=nnx.Rngs(cfg.train.seed))
+        lora.apply_lora(model, rank=cfg.lora_rank, alpha=cfg.lora_alpha, targets=cfg.lora_targets,
+                        dropout=cfg.lora_dropout, rngs=nnx.Rngs(cfg.train.seed))
         trainer = Trainer(model, cfg.train, trainable=nnx.LoRAParam)
     else:
         trainer = Trainer(model, cfg.train, trainable=nnx.Param)
     n_trainable = sum(x.size for x in jax.tree.leaves(trainer.params))
-    metrics = fit(trainer, data_dir, checkpoints=checkpoints, progress=progress, label=f"finetune[{cfg.mode}]")
+    log.info("finetune[%s]: %d trainable parameters", cfg.mode, n_trainable)
+    metrics = fit(trainer, data_dir, checkpoints=checkpoints, progress=progress, label=f"finetune[{cfg.mode}]",
+                  logdir=out_dir / "tensorboard")
     model = trainer.model()
-    if cfg.mode == "lora":
-        lora.save_peft_adapter(model, str(out_dir / "adapter"), base_model_name_or_path=base_name)
-        lora.merge_lora(model)
-    save_model_dir(model, out_dir / "model", data_dir)
+    if is_primary():  # multi-host: every process holds the gathered model; one writes it
+        if cfg.mode == "lora":
+            lora.save_peft_adapter(model, str(out_dir / "adapter"), base_model_name_or_path=base_name)
+            lora.merge_lora(model)
+        save_model_dir(model, out_dir / "model", data_dir)
     return {**metrics, "mode": cfg.mode, "trainable_params": int(n_trainable)}
 
 
@@ -82,10 +90,14 @@ def compute(cfg: FinetuneConfig, progress: Progress | None = None):
 
     def _compute(ctx: StageContext) -> dict[str, Any]:
         ckpt = Checkpoints(work_root() / "ckpt" / ctx.kind / ctx.fingerprint, ctx.store,
-                           f"{ctx.kind}/{ctx.fingerprint}")
+                           f"{ctx.kind}/{ctx.fingerprint}", keep=cfg.train.keep_checkpoints)
+        base = model_dir(ctx.inputs["base"])
+        # the adapter names the base checkpoint by its store URL (the HF folder inside the artifact)
+        sub = base.relative_to(ctx.inputs["base"]).as_posix()
+        base_url = ctx.refs["base"].url if sub == "." else storage.join(ctx.refs["base"].url, sub)
         try:
-            return finetune(cfg, model_dir(ctx.inputs["base"]), ctx.inputs["data"], ctx.out_dir,
-                            checkpoints=ckpt, progress=progress, base_name=ctx.refs["base"].url)
+            return finetune(cfg, base, ctx.inputs["data"], ctx.out_dir, checkpoints=ckpt, progress=progress,
+                            base_name=base_url)
         finally:
             ckpt.close()
 
@@ -103,9 +115,11 @@ def model_dir(artifact_dir: Path) -> Path:
 def main(argv: list[str] | None = None) -> None:
     def run(cfg: FinetuneConfig, a) -> dict[str, Any]:
         store = Store(a.store) if a.store else None
-        ckpt = Checkpoints(a.checkpoints, store, "finetune/cli") if a.checkpoints else None
+        ckpt = Checkpoints(a.checkpoints, store, "finetune/cli", keep=cfg.train.keep_checkpoints) \
+            if a.checkpoints else None
         try:
-            return finetune(cfg, model_dir(a.base), a.data, a.out, checkpoints=ckpt)
+            base = model_dir(a.base)
+            return finetune(cfg, base, a.data, a.out, checkpoints=ckpt, base_name=str(base.resolve()))
         finally:
             if ckpt:
                 ckpt.close()

@@ -115,13 +115,28 @@ def recipe_path(name_or_file: str) -> Path:
     return p
 
 
-def load_recipe(name_or_file: str = "tiny", overrides: list[str] | None = None) -> ReleaseConfig:
+def _recipe_data(name_or_file: str, seen: tuple[Path, ...] = ()) -> tuple[Path, dict[str, Any]]:
+    """A recipe's mapping with its `extends: <recipe>` chain merged in (the extending file wins)."""
     path = recipe_path(name_or_file)
+    if path.resolve() in seen:
+        raise ConfigError(f"{path}: extends itself (through {' -> '.join(p.name for p in seen)})")
     try:
         data = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: a recipe is a mapping of stage sections")
+    parent = data.pop("extends", None)
+    if parent is None:
+        return path, data
+    if not isinstance(parent, str):
+        raise ConfigError(f"{path}: extends: expected a recipe name or file (got {parent!r})")
+    if not Path(parent).is_absolute() and (path.parent / parent).exists():
+        parent = str(path.parent / parent)
+    return path, deep_merge(_recipe_data(parent, seen + (path.resolve(),))[1], data)
+
+
+def load_recipe(name_or_file: str = "tiny", overrides: list[str] | None = None) -> ReleaseConfig:
+    path, data = _recipe_data(name_or_file)
     data = deep_merge(data, parse_overrides(overrides or []))
     return validate(ReleaseConfig, data, f"recipe {path.name}")

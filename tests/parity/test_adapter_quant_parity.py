@@ -41,7 +41,7 @@ IDS = np.random.default_rng(0).integers(0, 128, (2, 16)).astype(np.int32)
 def test_peft_loads_our_adapter(hf_checkpoint, tmp_path):
     hf, path = hf_checkpoint("qwen3")
     model = from_pretrained(path)
-    apply_lora(model, rank=4, alpha=8, target_modules=("q_proj", "v_proj", "o_proj", "up_proj", "down_proj"))
+    apply_lora(model, rank=4, alpha=8, targets=("q_proj", "v_proj", "o_proj", "up_proj", "down_proj"))
     key = jax.random.PRNGKey(0)
     for _, lin in lora_linears(model):  # nonzero B so that a layout mistake changes the logits
         key, sub = jax.random.split(key)

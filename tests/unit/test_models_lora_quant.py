@@ -59,7 +59,7 @@ def test_apply_lora_is_identity_until_trained_and_merge_preserves_logits():
 
 def test_train_only_lora_params():
     model = make()
-    apply_lora(model, rank=2, alpha=4, target_modules=("q_proj", "v_proj"), rngs=nnx.Rngs(1))
+    apply_lora(model, rank=2, alpha=4, targets=("q_proj", "v_proj"), rngs=nnx.Rngs(1))
     before = jax.tree.map(np.asarray, nnx.state(model, nnx.Not(nnx.LoRAParam)))
     optimizer = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.LoRAParam)
 
@@ -82,7 +82,7 @@ def test_train_only_lora_params():
 
 def test_peft_tensor_layout():
     model = make()
-    apply_lora(model, rank=4, alpha=16, target_modules=("q_proj", "down_proj"))
+    apply_lora(model, rank=4, alpha=16, targets=("q_proj", "down_proj"))
     config, tensors = lora_state_to_peft(model, "base/model")
     assert config["peft_type"] == "LORA" and config["task_type"] == "CAUSAL_LM"
     assert config["r"] == 4 and config["lora_alpha"] == 16

@@ -50,7 +50,7 @@ CHILD = textwrap.dedent("""
 
 def test_rule_table_maps_logical_names():
     assert logical_to_spec(("embed", "heads")) == P("fsdp", "tensor")
-    assert logical_to_spec(("batch", "length")) == P(("data", "fsdp"), None)
+    assert logical_to_spec(("batch", "length")) == P(("data", "fsdp", "expert"), None)
     assert logical_to_spec(("norm",)) == P(None)
     assert set(RULES) >= {"vocab", "embed", "heads", "kv_heads", "head_dim", "mlp", "norm"}
     with pytest.raises(KeyError, match="experts_typo"):

@@ -45,6 +45,18 @@ def test_ill_typed_key_is_named():
         load_recipe("tiny", ["finetune.mode=qlora"])
 
 
+def test_shipped_recipes_extend_the_default(tmp_path):
+    tiny, lora, full = load_recipe("tiny"), load_recipe("tiny-lora"), load_recipe("tiny-full")
+    assert lora.finetune.mode == "lora" and lora.finetune.lora_dropout > 0 and lora.finetune.train.grad_accum == 2
+    assert full.finetune.mode == "full"
+    assert lora.base == tiny.base == full.base and lora.data == tiny.data  # only the finetune section differs
+    loop = tmp_path / "a.yaml"
+    loop.write_text("extends: b.yaml\n")
+    (tmp_path / "b.yaml").write_text("extends: a.yaml\n")
+    with pytest.raises(ConfigError, match="extends itself"):
+        load_recipe(str(loop))
+
+
 def test_override_syntax_errors():
     with pytest.raises(ConfigError, match="key=value"):
         parse_overrides(["finetune.mode"])
