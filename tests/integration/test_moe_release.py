@@ -73,3 +73,15 @@ def test_release_on_an_moe_base(tmp_path, arch):
         ref = hf(torch.tensor(ids)).logits.numpy()
     ours = np.asarray(from_pretrained(model_dir)(jnp.asarray(ids, jnp.int32)))
     assert np.max(np.abs(ours - ref)) / np.max(np.abs(ref)) <= 1e-4
+    # the LoRA adapter (attention, dense MLP, shared and routed experts) on the transformers base
+    # reproduces the merged model through peft
+    import peft
+
+    config = json.loads(storage.read_bytes(storage.join(url, "adapter/adapter_config.json")))
+    assert config.get("target_parameters"), config  # routed experts are adapted too
+    base_hf = transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32,
+                                                               attn_implementation="eager")
+    adapted = peft.PeftModel.from_pretrained(base_hf, storage.local_path(storage.join(url, "adapter"))).eval()
+    with torch.no_grad():
+        via_peft = adapted(torch.tensor(ids)).logits.numpy()
+    assert np.max(np.abs(via_peft - ref)) / np.max(np.abs(ref)) <= 1e-4
