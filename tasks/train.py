@@ -136,16 +136,24 @@ class PackedBatches:
         table = pq.read_table(self.files[shard], columns=list(COLUMNS))
         return {c: np.stack(table.column(c).to_numpy(zero_copy_only=False)).astype(np.int32) for c in COLUMNS}
 
+    @functools.lru_cache(maxsize=4)  # noqa: B019 - a handful of small index arrays per loader
+    def _shard_order(self, epoch: int) -> np.ndarray:
+        if not self.shuffle:
+            return np.arange(len(self.files))
+        return np.random.default_rng([self.seed, epoch]).permutation(len(self.files))
+
+    @functools.lru_cache(maxsize=4)  # noqa: B019
+    def _row_order(self, epoch: int, shard: int) -> np.ndarray:
+        if not self.shuffle:
+            return np.arange(self.rows[shard])
+        return np.random.default_rng([self.seed, epoch, shard]).permutation(self.rows[shard])
+
     def _locate(self, index: int) -> tuple[int, int]:
         """Global example index -> (shard, row) under the per-epoch permutations."""
         epoch, pos = divmod(index, self.total)
-        rng = np.random.default_rng([self.seed, epoch])
-        order = rng.permutation(len(self.files)) if self.shuffle else np.arange(len(self.files))
-        for shard in order:
+        for shard in self._shard_order(epoch):
             if pos < self.rows[shard]:
-                rows = (np.random.default_rng([self.seed, epoch, int(shard)]).permutation(self.rows[shard])
-                        if self.shuffle else np.arange(self.rows[shard]))
-                return int(shard), int(rows[pos])
+                return int(shard), int(self._row_order(epoch, int(shard))[pos])
             pos -= self.rows[shard]
         raise AssertionError("unreachable")
 
@@ -272,7 +280,11 @@ def _per_device_bytes(tree: Any) -> int:
 
 
 def _gib(n: float) -> str:
-    return f"{n / 2**30:.3f} GiB"
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+_FORMATS = {"loss": "{:.4f}", "grad_norm": "{:.3f}", "learning_rate": "{:.3e}", "tokens_per_s": "{:.0f}",
+            "mfu": "{:.1%}", "aux_loss": "{:.4f}"}
 
 
 # -- trainer ---------------------------------------------------------------------------------------
@@ -616,7 +628,7 @@ def fit(
                 if trainer.moe:
                     row["aux_loss"] = m["aux_loss"]
                 log.info("%s step %d/%d %s", label, step + 1, cfg.steps,
-                         " ".join(f"{k} {v:.4g}" for k, v in row.items()))
+                         " ".join(f"{k} {_FORMATS[k].format(v)}" for k, v in row.items()))
                 if writer is not None:
                     writer.scalars(step + 1, {f"{label}/{k}": v for k, v in row.items()})
                 if bar is not None:
