@@ -9,6 +9,8 @@ Output folder (the stage framework uploads it and writes the manifest; this modu
     tokenizer.json          HF `tokenizers` JSON: the base checkpoint's (copied) or a byte-level BPE
                             trained here on the train split (pad=0, bos=1, eos=2, <|user|>, <|assistant|>)
     special_tokens.json     {"pad", "bos", "eos": ids, "pad_token", ...: their spellings, "vocab_size"}
+    tokenizer_config.json   the given one (or a new one), completed with bos/eos/pad and the chat template
+                            the data was rendered with; copied into every model trained on the data
     train-00000.parquet ... packed rows, `shard_rows` per file, each column a list of exactly `seq_len`:
     valid-00000.parquet ...   input_ids int32, target_ids int32 (the next token), positions int32
                               (0.. within each segment), segment_ids int32 (1, 2, ... per segment in
@@ -207,6 +209,20 @@ def load_tokenizer(location: Path | str) -> tuple[bytes, dict | None]:
     except (OSError, ValueError):
         cfg = None
     return raw, cfg if isinstance(cfg, dict) else None
+
+
+def tokenizer_config(given: dict | None, sp: dict, template: chat.ChatTemplate) -> dict:
+    """The tokenizer_config.json that travels with the data and every model trained on it: the given
+    one, completed with the special tokens and the chat template the data was rendered with, so that
+    transformers' `apply_chat_template` on a released model reproduces the training format."""
+    out = dict(given or {})
+    out.setdefault("tokenizer_class", "PreTrainedTokenizerFast")
+    for key in ("bos_token", "eos_token", "pad_token"):
+        if out.get(key) is None and sp.get(key) is not None:
+            out[key] = sp[key]
+    if out.get("chat_template") is None:
+        out["chat_template"] = template.source
+    return out
 
 
 def load_chat_template(location: Path | str | None, tokenizer_config: dict | None, sp: dict) -> chat.ChatTemplate:
@@ -489,6 +505,7 @@ def _prepare(source, cfg: DataPrepConfig, work: Path, tokenizer_json, name: str)
     sp["vocab_size"] = tok.get_vocab_size(with_added_tokens=True)
     (work / "special_tokens.json").write_text(json.dumps(sp, indent=2) + "\n")
     template = load_chat_template(tokenizer_json, tok_cfg, sp)  # chat documents: see the module docstring
+    (work / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(tok_cfg, sp, template), indent=2) + "\n")
 
     # 2. pack
     writers = {s: _ShardWriter(work, s, cfg.seq_len, cfg.shard_rows, sp["pad"]) for s in SPLITS}
@@ -565,7 +582,7 @@ def _prepare(source, cfg: DataPrepConfig, work: Path, tokenizer_json, name: str)
 
 
 _OUTPUT_GLOBS = ("train-*.parquet", "valid-*.parquet", "prompts.parquet", "tokenizer.json",
-                 "special_tokens.json")
+                 "special_tokens.json", "tokenizer_config.json")
 
 
 def _publish(work: Path, out_dir: Path) -> None:

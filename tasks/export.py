@@ -1,7 +1,8 @@
 """Stage `export`: the release bundle, published only when every eval gate passed.
 
     <bundle>/
-      model/              HF layout (config.json, safetensors, tokenizer.json, generation_config.json)
+      model/              HF layout (config.json, safetensors, tokenizer.json + tokenizer_config.json with the
+                          chat template the data was rendered with, generation_config.json)
       adapter/            PEFT LoRA adapter (LoRA runs)
       draft/              the speculative-decoding draft (HF layout + draft_config.json)
       quantized/<scheme>/ compressed-tensors checkpoints

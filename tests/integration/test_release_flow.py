@@ -18,7 +18,8 @@ from tests.conftest import TINY_RELEASE
 pytestmark = pytest.mark.integration
 
 BUNDLE_FILES = [
-    "model/config.json", "model/tokenizer.json", "model/generation_config.json", "adapter/adapter_config.json",
+    "model/config.json", "model/tokenizer.json", "model/tokenizer_config.json", "model/generation_config.json",
+    "adapter/adapter_config.json",
     "adapter/adapter_model.safetensors", "draft/config.json", "draft/draft_config.json",
     "quantized/int8/config.json", "eval/report.json", "eval/report.md", "README.md", "lineage.json",
     "manifest.json",

@@ -350,3 +350,20 @@ def test_prepare_accepts_chat_documents_from_any_source(tmp_path):
     tok = Tokenizer.from_file(str(tok_json))
     texts = {tok.decode(d["ids"].tolist(), skip_special_tokens=False) for d in documents(tmp_path / "out", "train")}
     assert all(t.startswith("<|im_end|><|im_start|>system\n") for t in texts)
+
+
+def test_released_tokenizer_config_reproduces_the_training_format(tmp_path):
+    """transformers' apply_chat_template on the data's tokenizer_config.json (what every trained model
+    ships) renders conversations exactly as data_prep trained on them."""
+    import transformers
+
+    corpus = write_jsonl(tmp_path / "chats.jsonl", CONVERSATIONS)
+    run_local(cfg(corpus=str(corpus), valid_fraction=0.0), tmp_path / "trained")
+    out = tmp_path / "trained"
+    sp = json.loads((out / "special_tokens.json").read_text())
+    hf = transformers.AutoTokenizer.from_pretrained(str(out))
+    assert (hf.bos_token, hf.eos_token, hf.pad_token) == (sp["bos_token"], sp["eos_token"], sp["pad_token"])
+    tok = Tokenizer.from_file(str(out / "tokenizer.json"))
+    rendered = sorted(tok.decode(d["ids"].tolist(), skip_special_tokens=False) for d in documents(out, "train"))
+    want = sorted(hf.apply_chat_template(answered(msgs), tokenize=False) for msgs in CONVERSATIONS)
+    assert rendered == want
