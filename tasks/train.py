@@ -198,10 +198,13 @@ def xent_sum_and_aux(model: nnx.Module, batch: dict[str, jax.Array]) -> tuple[ja
 
 
 def lr_schedule(cfg: TrainConfig) -> optax.Schedule:
-    return optax.warmup_cosine_decay_schedule(
+    """Linear warmup then cosine decay; `schedule(i)` is the rate of step i (0-based). Shifted by one so
+    that no step runs at rate 0: step 0 gets peak/warmup (peak without warmup), the last step the end rate."""
+    base = optax.warmup_cosine_decay_schedule(
         init_value=0.0, peak_value=cfg.learning_rate, warmup_steps=max(cfg.warmup_steps, 1),
         decay_steps=max(cfg.steps, cfg.warmup_steps + 1), end_value=cfg.learning_rate * cfg.min_lr_ratio,
     )
+    return lambda count: base(count + 1)
 
 
 def _path_str(path: tuple) -> str:

@@ -34,27 +34,35 @@ def _trainer(cfg: TrainConfig, model=None) -> Trainer:
     return Trainer(model, cfg, mesh=make_mesh(devices=jax.devices()[:1]))
 
 
-def _run(cfg: TrainConfig, steps: int = 3, model=None) -> tuple[list[float], dict[str, np.ndarray]]:
+def _run(cfg: TrainConfig, steps: int = 3, model=None, stat: str = "loss") -> tuple[list[float], dict[str, np.ndarray]]:
     trainer = _trainer(cfg, model)
-    losses = [float(trainer.step(_batch(i % 2))["loss"]) for i in range(steps)]
+    losses = [float(trainer.step(_batch(i % 2))[stat]) for i in range(steps)]
     params = {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_leaves_with_path(trainer.params)}
     return losses, params
 
 
-def _close(a: dict[str, np.ndarray], b: dict[str, np.ndarray], rtol: float, atol: float) -> None:
+def _adam_close(a: dict[str, np.ndarray], b: dict[str, np.ndarray], lr: float, steps: int) -> None:
+    """Parameters after `steps` Adam steps from identical starts and (to rounding) identical gradients.
+
+    Adam's update is ~lr·g/|g| element-wise, so an element whose gradient is ~0 can move by up to ~lr
+    on rounding noise alone: allow at most 0.1% of the elements to differ by more than 1% of one step,
+    and none by more than the `steps` full steps that a rounding-flipped sign could cost."""
     assert a.keys() == b.keys()
     for k in a:
-        np.testing.assert_allclose(a[k], b[k], rtol=rtol, atol=atol, err_msg=k)
+        diff = np.abs(a[k] - b[k])
+        assert diff.max() <= 2 * lr * steps, (k, diff.max())
+        assert np.mean(diff > 0.01 * lr) <= 1e-3, (k, np.mean(diff > 0.01 * lr))
 
 
 BASE = dict(steps=10, batch_size=B, learning_rate=3e-3, warmup_steps=0)
 
 
 def test_grad_accumulation_equals_the_full_batch():
-    full = _run(TrainConfig(**BASE))
-    accum = _run(TrainConfig(**BASE, grad_accum=4))
+    full, accum = _run(TrainConfig(**BASE)), _run(TrainConfig(**BASE, grad_accum=4))
     np.testing.assert_allclose(accum[0], full[0], rtol=1e-5)
-    _close(accum[1], full[1], rtol=1e-4, atol=1e-6)
+    grads = [_run(TrainConfig(**BASE, grad_accum=a), stat="grad_norm")[0] for a in (1, 4)]
+    np.testing.assert_allclose(grads[1], grads[0], rtol=1e-5)
+    _adam_close(accum[1], full[1], BASE["learning_rate"], 3)
 
 
 def test_grad_accum_must_divide_the_batch():
@@ -66,7 +74,7 @@ def test_grad_accum_must_divide_the_batch():
 def test_remat_changes_nothing_but_memory(policy):
     plain, remat = _run(TrainConfig(**BASE)), _run(TrainConfig(**BASE, remat=policy))
     np.testing.assert_allclose(remat[0], plain[0], rtol=1e-6)
-    _close(remat[1], plain[1], rtol=1e-4, atol=1e-6)  # Adam amplifies ulp-level recompute noise
+    _adam_close(remat[1], plain[1], BASE["learning_rate"], 3)
 
 
 def test_bf16_compute_keeps_fp32_master_weights():
@@ -162,8 +170,8 @@ def test_metrics_reach_tensorboard(tiny_base, tmp_path):
     assert [e.step for e in acc.Scalars("ft/loss")] == [2, 4]
     assert [e.value for e in acc.Scalars("ft/loss")] == pytest.approx([x for _, x in stats["train_losses"]])
     lr = [e.value for e in acc.Scalars("ft/learning_rate")]
-    assert lr[0] == pytest.approx(float(optax.warmup_cosine_decay_schedule(0.0, cfg.learning_rate, 2, 4,
-                                                                             cfg.learning_rate * 0.1)(1)))
+    # step s (1-based) runs at the warmup-cosine rate of s: warmup 2 steps to the peak, cosine to 10% at step 4
+    assert lr == pytest.approx([cfg.learning_rate, cfg.learning_rate * 0.1], rel=1e-6)
     assert 0 < stats["mfu"] < 1
 
 
