@@ -60,17 +60,11 @@ class Ours:
         self.trainable_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, trainable)))
         self.adapter_params = self.trainable_params if lora else 0
         self.trainer = Trainer(model, TrainConfig(steps=1000, batch_size=batch), trainable=trainable)
-        self.data, self.tokens = make_batch(cfg.vocab_size, batch, seq), batch * seq
-        self.xla_temp_bytes = self.xla_total_bytes = None
+        self.data, self.tokens = self.trainer.put(make_batch(cfg.vocab_size, batch, seq)), batch * seq
         t = time.perf_counter()
-        compile_fn = getattr(self.trainer, "compile", None)  # Trainer.compile(batch) -> per-device byte estimate
-        if compile_fn is not None:
-            est = compile_fn(self.trainer.put(self.data) if hasattr(self.trainer, "put") else self.data)
-            self.xla_temp_bytes, self.xla_total_bytes = est.get("temp"), est.get("total")
+        est = self.trainer.compile(self.data)  # per-device bytes from the compiled step
         self.compile_s = time.perf_counter() - t
-        if compile_fn is None:  # the first step compiles
-            float(self.trainer.step(self.data)["loss"])
-            self.compile_s = time.perf_counter() - t
+        self.xla_temp_bytes, self.xla_total_bytes = est["temp"], est["total"]
         state = self.trainer.state()
         self.state_bytes = nbytes(state["params"]) + nbytes(state["opt_state"])
         self.tokens_per_s = 0.0

@@ -46,7 +46,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 import storage
-from models.decoder import REMAT_POLICIES, DecoderLM, set_compute_dtype
+from models.decoder import DecoderLM, set_compute_dtype
 from models.moe import MoE
 from models.sharding import RULES, make_mesh, named_sharding, shard_model
 from storage import Store
@@ -310,7 +310,6 @@ class Trainer:
             model.remat = cfg.remat
         elif cfg.remat != "none":
             raise ValueError(f"train.remat={cfg.remat}: {type(model).__name__} is not a DecoderLM")
-        assert cfg.remat in REMAT_POLICIES
         shard_model(model, self.mesh, self.rules)
         model.eval()  # dropout off, no load-balancing loss sown: the graph of eval and of `model()`
         self.eval_graphdef = nnx.graphdef(model)
@@ -422,6 +421,10 @@ class Trainer:
         est["temp"] = int(getattr(ma, "temp_size_in_bytes", 0) or 0)
         est["total"] = sum(est.values())
         return est
+
+    @property
+    def compiled(self) -> bool:
+        return self._compiled is not None
 
     def step(self, batch: dict[str, np.ndarray | jax.Array]) -> dict[str, jax.Array]:
         if not isinstance(batch["input_ids"], jax.Array):
@@ -603,7 +606,7 @@ def fit(
     try:
         for step in range(start, cfg.steps):
             batch = trainer.global_batch(train, step)
-            if trainer._compiled is None:
+            if not trainer.compiled:
                 tc = time.perf_counter()
                 est = trainer.compile(batch)
                 compile_s = time.perf_counter() - tc
