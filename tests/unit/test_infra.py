@@ -474,6 +474,25 @@ def test_jobset_pods_get_gpus_and_run_the_stage_module():
     assert container["envFrom"][0]["secretRef"]["name"]
 
 
+def test_jobset_checkpoints_go_to_one_folder_every_host_shares():
+    """Multi-host orbax writes every process's shards into one folder: --checkpoints must be on a
+    ReadWriteMany claim mounted in every pod, not on a per-pod emptyDir."""
+    docs = _yaml_docs(INFRA / "jobset" / "multihost-train.yaml")
+    claims = {d["metadata"]["name"]: d for d in docs if d["kind"] == "PersistentVolumeClaim"}
+    _, js = _jobset_docs()
+    pod = js["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    script = (container.get("command", []) + container.get("args", []))[-1].replace("\\\n", " ")
+    (line,) = [ln for ln in script.splitlines() if ln.strip().startswith("python -m tasks.")]
+    tokens = shlex.split(line)
+    ckpt = tokens[tokens.index("--checkpoints") + 1]
+    mount = max((m for m in container["volumeMounts"] if ckpt.startswith(m["mountPath"].rstrip("/") + "/")),
+                key=lambda m: len(m["mountPath"]))
+    volume = {v["name"]: v for v in pod["volumes"]}[mount["name"]]
+    claim = claims[volume["persistentVolumeClaim"]["claimName"]]
+    assert "ReadWriteMany" in claim["spec"]["accessModes"]
+
+
 def _cli_flags(module) -> set[str]:
     """The option strings of a stage module's argparse parser, read by running `main(['--help'])`."""
     import contextlib
