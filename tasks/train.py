@@ -295,7 +295,8 @@ _FORMATS = {"loss": "{:.4f}", "grad_norm": "{:.3f}", "learning_rate": "{:.3e}", 
 
 class Trainer:
     """One compiled train step and eval step for one model on one mesh, over the split state
-    (trainable params, RNG state, frozen rest)."""
+    (trainable params, RNG state, frozen rest). `model` is adopted, not copied: it is placed on the
+    mesh and given the compute dtype and remat policy in place; read results from `trainer.model()`."""
 
     def __init__(self, model: nnx.Module, cfg: TrainConfig, trainable: Any = nnx.Param, mesh: Mesh | None = None):
         self.cfg = cfg
