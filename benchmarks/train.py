@@ -45,10 +45,6 @@ def make_batch(vocab_size: int, batch: int, seq: int, seed: int = 0) -> dict[str
             "segment_ids": ones, "loss_mask": ones.copy()}
 
 
-def nbytes(tree) -> int:
-    return sum(np.asarray(x).nbytes for x in jax.tree.leaves(tree))
-
-
 class Ours:
     """Our trainer for one variant (full or LoRA), built and compiled once, then timed in several rounds."""
 
@@ -58,15 +54,14 @@ class Ours:
             models.apply_lora(model, rank=LORA_RANK, alpha=LORA_ALPHA, rngs=nnx.Rngs(1))
         trainable = nnx.LoRAParam if lora else nnx.Param
         self.trainable_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, trainable)))
-        self.adapter_params = self.trainable_params if lora else 0
         self.trainer = Trainer(model, TrainConfig(steps=1000, batch_size=batch), trainable=trainable)
+        self.adapter_params = self.trainer.adapter_params_per_token()
         self.data, self.tokens = self.trainer.put(make_batch(cfg.vocab_size, batch, seq)), batch * seq
         t = time.perf_counter()
         est = self.trainer.compile(self.data)  # per-device bytes from the compiled step
         self.compile_s = time.perf_counter() - t
         self.xla_temp_bytes, self.xla_total_bytes = est["temp"], est["total"]
-        state = self.trainer.state()
-        self.state_bytes = nbytes(state["params"]) + nbytes(state["opt_state"])
+        self.state_bytes = est["params"] + est["optimizer"]
         self.tokens_per_s = 0.0
 
     def time(self, steps: int) -> None:

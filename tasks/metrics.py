@@ -170,22 +170,27 @@ class TensorBoardWriter:
 _PEAK: dict[tuple[str, str, int], float] = {}
 
 
+def measure_matmul_flops(dtype: Any = jnp.float32, n: int = 2048, repeats: int = 10) -> float:
+    """One fresh reading: FLOP/s of a jitted [n, n] @ [n, n] matmul on the default backend, 2n³ over the
+    best of `repeats` timed calls (compilation and a warm-up call excluded)."""
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32).astype(dtype)  # [n, n]
+    f = jax.jit(lambda x: x @ x)
+    f(a).block_until_ready()  # compile + warm-up
+    best = math.inf
+    for _ in range(repeats):
+        t = time.perf_counter()
+        f(a).block_until_ready()
+        best = min(best, time.perf_counter() - t)
+    return 2 * n**3 / best
+
+
 def matmul_peak_flops(dtype: Any = jnp.float32, n: int = 2048, repeats: int = 10) -> float:
-    """Measured FLOP/s of a jitted [n, n] @ [n, n] matmul on the default backend: 2n³ over the best of
-    `repeats` timed calls (compilation and a warm-up call excluded). Cached per (backend, dtype, n):
-    measured once per process, so only compare MFU numbers taken in the same run; on a machine shared
-    with other work the reading can be low (MFU then reads high)."""
+    """`measure_matmul_flops`, cached per (backend, dtype, n): measured once per process, so only
+    compare MFU numbers taken in the same run; on a machine shared with other work the reading can be
+    low (MFU then reads high)."""
     key = (jax.default_backend(), jnp.dtype(dtype).name, n)
     if key not in _PEAK:
-        a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32).astype(dtype)  # [n, n]
-        f = jax.jit(lambda x: x @ x)
-        f(a).block_until_ready()  # compile + warm-up
-        best = math.inf
-        for _ in range(repeats):
-            t = time.perf_counter()
-            f(a).block_until_ready()
-            best = min(best, time.perf_counter() - t)
-        _PEAK[key] = 2 * n**3 / best
+        _PEAK[key] = measure_matmul_flops(dtype, n, repeats)
     return _PEAK[key]
 
 

@@ -174,12 +174,6 @@ class PackedBatches:
 # -- loss, optimizer -------------------------------------------------------------------------------
 
 
-def masked_xent(model: nnx.Module, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
-    """Mean next-token cross entropy over `loss_mask`; returns (mean loss, number of target tokens)."""
-    ce_sum, n = xent_sum(model, batch)
-    return ce_sum / jnp.maximum(n, 1.0), n
-
-
 def xent_sum(model: nnx.Module, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
     """(sum of next-token cross entropy over `loss_mask`, number of target tokens), both fp32 scalars."""
     logits = model(batch["input_ids"], positions=batch["positions"], segment_ids=batch["segment_ids"])
