@@ -38,18 +38,23 @@ def draft_refresh(recipe: str = "tiny", overrides: list[str] | None = None, stor
     store = storage.normalize_url(store)
     st = Store(store)
     refs = _release_refs(st, cfg.name)
-    target = refs["finetune"]
+    finetuned = refs["finetune"]
+    served = finetuned if cfg.serve == "finetuned" else refs["quant"]  # what the release serves
     current = st.read_pointer(f"drafts/{cfg.name}") or refs["draft"]
     r = cfg.refresh
-    data = run_stage("data_prep[fresh]", "data_prep", r.data, {"tokenizer": target}, store)
-    tr = run_stage("traces[fresh]", "traces", r.traces, {"model": target, "data": data}, store)
-    candidate = run_stage("draft[candidate]", "draft", r.draft, {"target": target, "traces": tr, "init": current},
-                          store)
-    # Draft-only evaluation: no base, no quantized models; lossless is still a gate.
-    ev_cfg = EvalConfig(**{**cfg.evaluate.model_dump(), "gates": Gates(finetune_improves=False,
-                                                                      min_acceptance_length=0.0)})
-    evals = {name: run_stage(f"evaluate[{name}]", "evaluate", ev_cfg,
-                             {"finetune": target, "data": data, "draft": d}, store)
+    data = run_stage("data_prep[fresh]", "data_prep", r.data, {"tokenizer": finetuned}, store)
+    tr = run_stage("traces[fresh]", "traces", r.traces.model_copy(update={"target": cfg.serve}),
+                   {"model": served, "data": data}, store)
+    candidate = run_stage("draft[candidate]", "draft", r.draft.model_copy(update={"target": cfg.serve}),
+                          {"target": served, "traces": tr, "init": current}, store)
+    # Draft-only evaluation at temperature 0 (the promotion criterion), against the served model, on the
+    # fresh data's held-out prompts; no base; lossless is still a gate.
+    ev_cfg = EvalConfig(**{**cfg.evaluate.model_dump(), "spec_target": cfg.serve, "spec_temperatures": [0.0],
+                           "spec_tree": False,
+                           "gates": Gates(finetune_improves=False, min_acceptance_length=0.0,
+                                          max_quant_ppl_increase=1e9)})
+    ev_inputs = {"finetune": finetuned, "data": data} | ({"quant": refs["quant"]} if cfg.serve != "finetuned" else {})
+    evals = {name: run_stage(f"evaluate[{name}]", "evaluate", ev_cfg, ev_inputs | {"draft": d}, store)
              for name, d in (("current", current), ("candidate", candidate))}
     reports = {k: json.loads(storage.read_bytes(v.file("report.json"))) for k, v in evals.items()}
     acc = {k: rep["draft"]["acceptance_length"] for k, rep in reports.items()}

@@ -1,8 +1,8 @@
 """The `release` flow: base checkpoint + corpus -> a release bundle in the store.
 
     data_prep(base corpus) -> base (pretrain, or import base.url)
-    data_prep(corpus, base tokenizer) -> finetune -> traces -> draft
-                                             \\-> quantize
+    data_prep(corpus, base tokenizer) -> finetune -> quantize
+                                             \\-> traces(served model) -> draft (EAGLE-3)
     evaluate(base, finetuned, quantized, draft) --gates--> export -> pointers/releases/<name>.json
 
 Each stage is the `stage` task (flows/stages.py): cached on its fingerprint, so re-running a
@@ -44,9 +44,10 @@ def publish_report(cfg: ReleaseConfig, evaluation: ArtifactRef) -> dict[str, Any
     rows = [{"metric": f"perplexity/{k}", "value": round(v, 4)} for k, v in report["perplexity"].items()]
     for scheme, q in report["quantization"].items():
         rows += [{"metric": f"{scheme}/{k}", "value": round(v, 5)} for k, v in q.items()]
-    for k in ("acceptance_length", "speedup", "draft_tokens"):
-        if "draft" in report:
-            rows.append({"metric": f"draft/{k}", "value": round(report["draft"][k], 4)})
+    for name in ("draft", "mtp"):  # the EAGLE-3 draft, and a DeepSeek/GLM target's own MTP head
+        for run, r in report.get(name, {}).get("runs", {}).items():
+            rows += [{"metric": f"{name}/{run}/{k}", "value": round(r[k], 4)}
+                     for k in ("acceptance_length", "speedup")]
     rows += [{"metric": f"gate: {g['gate']}", "value": "pass" if g["passed"] else "FAIL"} for g in report["gates"]]
     create_table_artifact(rows, key=f"{key}-metrics", description=f"{cfg.name}: release metrics")
     return report
@@ -62,10 +63,11 @@ def release(recipe: str = "tiny", overrides: list[str] | None = None, store: str
     base = base_stage(cfg, store)
     data = run_stage("data_prep", "data_prep", cfg.data, {"tokenizer": base}, store)
     ft = run_stage("finetune", "finetune", cfg.finetune, {"base": base, "data": data}, store)
-    tr = run_stage("traces", "traces", cfg.traces, {"model": ft, "data": data}, store)
-    dr = run_stage("draft", "draft", cfg.draft, {"target": ft, "traces": tr}, store)
     qu = run_stage("quantize", "quantize", cfg.quantize, {"model": ft}, store)
-    ev = run_stage("evaluate", "evaluate", cfg.evaluate,
+    served = ft if cfg.serve == "finetuned" else qu  # the draft learns the model that will actually serve
+    tr = run_stage("traces", "traces", cfg.served("traces"), {"model": served, "data": data}, store)
+    dr = run_stage("draft", "draft", cfg.served("draft"), {"target": served, "traces": tr}, store)
+    ev = run_stage("evaluate", "evaluate", cfg.served("evaluate"),
                    {"base": base, "finetune": ft, "data": data, "draft": dr, "quant": qu}, store)
     publish_report(cfg, ev)
     export_cfg = ExportConfig(name=cfg.name, recipe=cfg.model_dump(mode="json"))

@@ -19,10 +19,11 @@ from models.llama import Llama, LlamaConfig
 from models.lora import apply_lora, lora_state_to_peft, merge_lora, save_peft_adapter
 from models.quant import int8_to_compressed_tensors, quantize_int8, weight_bytes
 from models.registry import ARCHITECTURES
-from models.speculative import SpecOutput, speculative_generate
+from models.speculative import DraftHead, MTPDraft, SpecOutput, speculative_generate
 
 __all__ = [
-    "ARCHITECTURES", "GenerateOutput", "KVCache", "Linear", "Llama", "LlamaConfig", "SpecOutput",
+    "ARCHITECTURES", "DraftHead", "GenerateOutput", "KVCache", "Linear", "Llama", "LlamaConfig", "MTPDraft",
+    "SpecOutput",
     "apply_lora", "from_pretrained", "generate", "hf_to_state", "int8_to_compressed_tensors", "jit_forward",
     "lora_state_to_peft", "merge_lora", "quantize_int8", "save_peft_adapter", "save_pretrained",
     "speculative_generate", "state_to_hf", "weight_bytes",

@@ -77,32 +77,59 @@ def segment_positions(segment_ids: jax.Array) -> jax.Array:
 
 def build_context(
     T: int, B: int, *, positions: jax.Array | None, segment_ids: jax.Array | None, cache: KVCache | None,
-    windows: set[int | None],
+    windows: set[int | None], tree_mask: jax.Array | None = None,
 ) -> tuple[Context, KVCache | None]:
     """Masks and positions for one forward call (see DecoderLM.__call__ for the semantics).
 
     A sliding window W keeps key j for query i iff i - j < W (W keys including the current one),
     counted in token slots: within a packed segment, or in cache slots when decoding.
+
+    `tree_mask` [B, T, T] (True = query i may attend to this call's token j) replaces causality among
+    this call's tokens (tree verification in models/speculative.py). With a cache every query also
+    sees the whole cached prefix. Window distances are then measured in positions: this call's
+    tokens sit at `positions`, and prefix slot s at position s + positions[:, 0] - cache.length (the
+    prefix ends right before the call's first token, the tree's root), so a sliding-window layer sees
+    exactly the keys it would see decoding the tree path token by token.
     """
     valid = jnp.ones((B, T), bool) if segment_ids is None else segment_ids != 0
+    if tree_mask is not None and tree_mask.shape != (B, T, T):
+        raise ValueError(f"tree_mask must be [B, T, T] = {(B, T, T)}, got {tree_mask.shape}")
     if cache is None:
         seg = jnp.ones((B, T), jnp.int32) if segment_ids is None else segment_ids
         if positions is None:
             positions = segment_positions(seg)
-        q_idx = jnp.arange(T, dtype=jnp.int32)[None, :, None]  # [1, T, 1]
-        k_idx = jnp.arange(T, dtype=jnp.int32)[None, None, :]  # [1, 1, T]
-        base = (k_idx <= q_idx) & (seg[:, :, None] == seg[:, None, :]) & valid[:, :, None]  # [B, T, T]
+        same = (seg[:, :, None] == seg[:, None, :]) & valid[:, :, None]  # [B, T, T]
+        if tree_mask is None:
+            q_idx = jnp.arange(T, dtype=jnp.int32)[None, :, None]  # [1, T, 1]
+            k_idx = jnp.arange(T, dtype=jnp.int32)[None, None, :]  # [1, 1, T]
+            base = (k_idx <= q_idx) & same  # [B, T, T]
+        else:
+            q_idx, k_idx = positions[:, :, None], positions[:, None, :]  # window in positions
+            base = tree_mask & same
         slots = None
     else:
         slots = cache.length[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]  # [B, T]
         if positions is None:
             positions = slots
+        start = cache.length  # [B] first slot of this call
         cache = cache.advance(slots, valid)
-        q_idx = slots[:, :, None]  # [B, T, 1]
         k_idx = jnp.arange(cache.max_len, dtype=jnp.int32)[None, None, :]  # [1, 1, S]
-        base = cache.valid[:, None, :] & (k_idx <= q_idx)  # [B, T, S]
+        if tree_mask is None:
+            q_idx = slots[:, :, None]  # [B, T, 1]
+            base = cache.valid[:, None, :] & (k_idx <= q_idx)  # [B, T, S]
+        else:
+            j = k_idx - start[:, None, None]  # [B, 1, S]: index of slot s inside this call
+            in_call = (j >= 0) & (j < T)
+            jc = jnp.clip(j, 0, T - 1)
+            among = jnp.take_along_axis(tree_mask, jnp.broadcast_to(jc, (B, T, cache.max_len)), axis=2)  # [B, T, S]
+            base = cache.valid[:, None, :] & jnp.where(in_call, among, j < 0)  # [B, T, S]
+            # window distances in slot units: this call's tokens at start + (positions - positions[:, 0])
+            rel = start[:, None] + positions - positions[:, :1]  # [B, T]
+            q_idx = rel[:, :, None]  # [B, T, 1]
+            k_idx = jnp.where(in_call, jnp.take_along_axis(rel, jc[:, 0], axis=1)[:, None, :], k_idx)  # [B, 1, S]
     masks = {w: base if w is None else base & (q_idx - k_idx < w) for w in windows | {None}}
-    return Context(positions=positions, slots=slots, causal=cache is None, masks=masks), cache
+    causal = cache is None and tree_mask is None
+    return Context(positions=positions, slots=slots, causal=causal, masks=masks), cache
 
 
 # ------------------------------------------------------------------------------------------------
@@ -322,6 +349,7 @@ class DecoderLM(nnx.Module):
         segment_ids: jax.Array | None = None,
         cache: KVCache | None = None,
         return_hidden: tuple[int, ...] = (),
+        tree_mask: jax.Array | None = None,
     ):
         """input_ids [B, T] -> logits [B, T, V] (+ new cache if `cache`) (+ hidden list if `return_hidden`).
 
@@ -330,6 +358,9 @@ class DecoderLM(nnx.Module):
         T tokens are written at slots length..length+T-1 of each row, `segment_ids != 0` marks which
         of them are valid keys, default positions are the slots, and the new cache has length + T.
         `return_hidden` indices: i in [0, L) = output of decoder layer i; -1 or L = final normed hidden.
+        `tree_mask` [B, T, T] (True = may attend) replaces causality among this call's tokens, e.g. a draft
+        tree verified in one forward: pass each node's `positions` (prefix length + depth); with a cache
+        every node also sees the cached prefix (see build_context for sliding windows).
         """
         B, T = input_ids.shape
         L = self.config.num_hidden_layers
@@ -338,7 +369,7 @@ class DecoderLM(nnx.Module):
             raise ValueError(f"return_hidden {return_hidden}: indices must be in [0, {L}] or -1")
         windows = {self.layer_window(i) for i in range(L)}
         ctx, cache = build_context(T, B, positions=positions, segment_ids=segment_ids, cache=cache,
-                                   windows=windows)
+                                   windows=windows, tree_mask=tree_mask)
         ctx.rope = self.rope(ctx.positions)
         x = self.embed_tokens(input_ids)  # [B, T, D]
         hidden: dict[int, jax.Array] = {}

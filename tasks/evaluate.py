@@ -7,10 +7,13 @@ Measured in one run, on the same held-out rows and prompts:
   over data_prep's valid split -- for instruction data, the answer tokens only);
 - per quantized scheme: token-level KL(fine-tuned || quantized) and top-1 agreement over the same
   positions, and the decoder weight bytes relative to float32;
-- the draft: speculative decoding (batch 1, greedy) against plain greedy decoding of the target on
-  held-out prompts -- the outputs must be identical (lossless), and we report the mean acceptance
-  length (tokens emitted per target forward) and the wall-clock speedup, both timed here, compiled
-  once before timing.
+- the EAGLE-3 draft (and, for DeepSeek-V3/GLM-4.5 targets, the target's own MTP head as a draft):
+  speculative decoding vs plain decoding of the served target (the fine-tuned model or the quantized
+  variant named by `spec_target`), at the same batch size, on held-out prompts, at every
+  `spec_temperatures` (chain drafting of `spec_k` tokens) and with EAGLE-2 dynamic-tree drafting at
+  temperature 0: mean acceptance length τ (tokens emitted per target verify forward), per-position
+  acceptance, wall-clock speedup (tokens/s ratio; both decoders compiled before timing and timed
+  alternately) and, at temperature 0, losslessness (the outputs must equal greedy decoding).
 Output: `report.json`, `report.md`. Gates are evaluated and recorded; the export stage refuses to
 publish a release whose gates failed.
 """
@@ -30,13 +33,15 @@ import numpy as np
 import optax
 import pyarrow.parquet as pq
 from flax import nnx
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 import models
+from models.eagle3 import load_eagle3
 from models.generate import generate
 from models.quant import weight_bytes
-from models.speculative import speculative_generate
+from models.speculative import MTPDraft, speculative_generate
 from tasks.cli import OPTIONAL_PATH, PATH, stage_main
+from tasks.draft import draft_dir
 from tasks.finetune import model_dir
 from tasks.stage import StageContext
 from tasks.train import PackedBatches
@@ -61,8 +66,24 @@ class EvalConfig(BaseModel):
     spec_prompts: int = Field(16, ge=1)
     spec_prompt_len: int = Field(48, ge=2)
     spec_max_new_tokens: int = Field(64, ge=1)
-    spec_k: int = Field(4, ge=1)
+    spec_k: int = Field(5, ge=1)  # draft tokens per verify forward (chain)
+    spec_batch_size: int = Field(1, ge=1)  # rows decoded together, by both the plain and the speculative decoder
+    spec_temperatures: list[float] = Field([0.0, 1.0], min_length=1)
+    spec_tree: bool = True  # also measure EAGLE-2 dynamic-tree drafting (temperature 0, batch 1)
+    tree_top_k: int = Field(4, ge=1)
+    tree_depth: int = Field(5, ge=1)
+    tree_tokens: int = Field(16, ge=1)
+    spec_target: str = "finetuned"  # the model the draft serves with: "finetuned" or a quantized scheme
+    seed: int = 0
     gates: Gates = Gates()
+
+    @model_validator(mode="after")
+    def _check(self) -> EvalConfig:
+        if any(t < 0 for t in self.spec_temperatures):
+            raise ValueError("spec_temperatures must be >= 0")
+        if self.spec_tree and self.spec_batch_size != 1:
+            raise ValueError("spec_tree needs spec_batch_size 1 (tree drafting decodes one sequence)")
+        return self
 
 
 # -- quality ---------------------------------------------------------------------------------------
@@ -126,50 +147,98 @@ def spec_prompts(data_dir: Path, cfg: EvalConfig) -> list[np.ndarray]:
             out.append(np.asarray(seq, np.int32)[None, :])
         if len(out) == cfg.spec_prompts:
             break
-    if not out:
-        raise ValueError(f"evaluate: no held-out prompt of {cfg.spec_prompt_len} tokens in {data_dir}")
+    if len(out) < cfg.spec_batch_size:
+        raise ValueError(f"evaluate: {len(out)} held-out prompts of {cfg.spec_prompt_len} tokens in {data_dir}, "
+                         f"fewer than spec_batch_size={cfg.spec_batch_size}")
     return out
 
 
-def speculative(target: nnx.Module, draft: nnx.Module, prompts: list[np.ndarray], cfg: EvalConfig,
-                eos: int) -> dict[str, Any]:
-    n = cfg.spec_max_new_tokens
+def _trimmed(tokens: np.ndarray, lengths: np.ndarray) -> list[np.ndarray]:
+    return [tokens[i, : int(lengths[i])] for i in range(tokens.shape[0])]
 
-    def plain(p):
-        out = generate(target, p, prompt_lengths=np.array([p.shape[1]], np.int32), max_new_tokens=n,
-                       temperature=0.0, eos_token_id=eos)
-        return np.asarray(out.tokens)[0, : int(np.asarray(out.lengths)[0])]
 
-    def spec(p):
-        out = speculative_generate(target, draft, p, max_new_tokens=n, k=cfg.spec_k, eos_token_id=eos)
-        return out
+def speculative(target: nnx.Module, draft: nnx.Module, prompts: list[np.ndarray], cfg: EvalConfig, eos: Any,
+                *, temperature: float, mode: str = "chain") -> dict[str, Any]:
+    """Speculative decoding vs plain decoding of the same target at the same batch size and temperature,
+    on the same prompts: acceptance (τ = tokens emitted per verify forward, per draft position), wall-clock
+    speedup (both compiled before timing, timed alternately), and at temperature 0 losslessness (the
+    outputs must equal greedy decoding token for token)."""
+    n, B, k = cfg.spec_max_new_tokens, cfg.spec_batch_size, cfg.spec_k
+    batches = [np.concatenate(prompts[i: i + B]) for i in range(0, len(prompts) - B + 1, B)]
+    tree = dict(tree_top_k=cfg.tree_top_k, tree_depth=cfg.tree_depth, tree_tokens=cfg.tree_tokens) \
+        if mode == "tree" else {}
 
-    plain(prompts[0])  # compile both before timing
-    spec(prompts[0])
+    def plain(p, key):
+        out = generate(target, p, max_new_tokens=n, temperature=temperature, rng=key, eos_token_id=eos)
+        return jax.block_until_ready(out)
+
+    def spec(p, key):
+        out = speculative_generate(target, draft, p, max_new_tokens=n, k=k, temperature=temperature, rng=key,
+                                   eos_token_id=eos, mode=mode, **tree)
+        return jax.block_until_ready(out)
+
+    key = jax.random.key(cfg.seed)
+    plain(batches[0], key)  # compile both before timing
+    spec(batches[0], key)
     t_plain = t_spec = 0.0
-    mismatches, tokens, calls, accepted = 0, 0, 0, 0
-    for p in prompts:
+    mismatches = plain_tokens = spec_tokens = 0
+    emitted_sum = emitted_count = 0
+    width = cfg.tree_depth if mode == "tree" else k  # tree mode counts acceptance per depth
+    accepted_at, drafted_at = np.zeros(width), np.zeros(width)
+    for i, p in enumerate(batches):
+        key_i = jax.random.fold_in(key, i)
         t0 = time.perf_counter()
-        ref = plain(p)
+        ref = plain(p, key_i)
         t_plain += time.perf_counter() - t0
         t0 = time.perf_counter()
-        out = spec(p)
-        got = np.asarray(out.tokens)[0, : len(ref)] if np.asarray(out.tokens).ndim == 2 else np.asarray(out.tokens)
+        out = spec(p, key_i)
         t_spec += time.perf_counter() - t0
-        mismatches += int(not np.array_equal(got[: len(ref)], ref))
-        tokens += len(ref)
-        calls += int(out.num_target_calls)
-        accepted += int(np.asarray(out.accepted_per_call).sum())
-    return {
-        "acceptance_length": accepted / max(calls, 1),  # tokens emitted per target verify forward
-        "speedup": t_plain / max(t_spec, 1e-9),
-        "draft_tokens": cfg.spec_k,
-        "lossless": mismatches == 0,
-        "mismatched_prompts": mismatches,
-        "prompts": len(prompts),
-        "plain_tokens_per_s": tokens / max(t_plain, 1e-9),
-        "speculative_tokens_per_s": tokens / max(t_spec, 1e-9),
+        ref_rows = _trimmed(np.asarray(ref.tokens), np.asarray(ref.lengths))
+        got_rows = _trimmed(np.asarray(out.tokens), np.asarray(out.lengths))
+        if temperature == 0.0:
+            mismatches += sum(not np.array_equal(a, b) for a, b in zip(ref_rows, got_rows, strict=True))
+        plain_tokens += sum(len(r) for r in ref_rows)
+        spec_tokens += sum(len(r) for r in got_rows)
+        emitted = np.asarray(out.emitted)
+        emitted_sum += int(emitted.sum())
+        emitted_count += int((emitted > 0).sum())
+        accepted_at += np.asarray(out.position_accepted)
+        drafted_at += np.asarray(out.position_drafted)
+    plain_rate, spec_rate = plain_tokens / max(t_plain, 1e-9), spec_tokens / max(t_spec, 1e-9)
+    result = {
+        "mode": mode, "temperature": temperature, "batch_size": B, "draft_tokens": width, "prompts": len(batches) * B,
+        **({"tree_top_k": cfg.tree_top_k, "tree_tokens": cfg.tree_tokens} if mode == "tree" else {}),
+        "acceptance_length": emitted_sum / max(emitted_count, 1),  # τ: tokens emitted per verify forward
+        "per_position_acceptance": [round(float(a / max(d, 1)), 4) for a, d in zip(accepted_at, drafted_at,
+                                                                                  strict=True)],
+        # tokens per second, not total time: at T > 0 the two runs sample different continuations
+        "speedup": spec_rate / max(plain_rate, 1e-9),
+        "plain_tokens_per_s": plain_rate, "speculative_tokens_per_s": spec_rate,
     }
+    if temperature == 0.0:
+        result |= {"lossless": mismatches == 0, "mismatched_rows": mismatches}
+    return result
+
+
+def draft_report(target: nnx.Module, draft: nnx.Module, prompts: list[np.ndarray], cfg: EvalConfig,
+                 eos: Any) -> dict[str, Any]:
+    """The draft's entry of the report: chain decoding at every `spec_temperatures` (the headline numbers are
+    temperature 0's), plus the EAGLE-2 dynamic tree at temperature 0 when `spec_tree`."""
+    runs = {f"chain_t{t:g}": speculative(target, draft, prompts, cfg, eos, temperature=t)
+            for t in cfg.spec_temperatures}
+    if cfg.spec_tree:
+        runs["tree_t0"] = speculative(target, draft, prompts, cfg, eos, temperature=0.0, mode="tree")
+    greedy = runs.get("chain_t0") or speculative(target, draft, prompts, cfg, eos, temperature=0.0)
+    return {"acceptance_length": greedy["acceptance_length"], "speedup": greedy["speedup"],
+            "draft_tokens": cfg.spec_k, "lossless": all(r.get("lossless", True) for r in runs.values()),
+            "mismatched_rows": sum(r.get("mismatched_rows", 0) for r in runs.values()),
+            "per_position_acceptance": greedy["per_position_acceptance"], "runs": runs}
+
+
+def _served_model(quantized: dict[str, Path], scheme: str) -> nnx.Module:
+    if scheme not in quantized:
+        raise ValueError(f"evaluate: spec_target {scheme!r} is not among the quantized variants {sorted(quantized)}")
+    return models.from_pretrained(str(quantized[scheme]))
 
 
 # -- gates and report ------------------------------------------------------------------------------
@@ -188,9 +257,9 @@ def gates(report: dict[str, Any], g: Gates) -> list[dict[str, Any]]:
     if "draft" in report:
         d = report["draft"]
         if g.speculative_lossless:
-            out.append({"gate": "speculative decoding identical to greedy", "value": d["mismatched_prompts"],
+            out.append({"gate": "speculative decoding identical to greedy", "value": d["mismatched_rows"],
                         "threshold": 0, "passed": bool(d["lossless"])})
-        out.append({"gate": "draft acceptance length", "value": d["acceptance_length"],
+        out.append({"gate": "draft acceptance length (greedy, chain)", "value": d["acceptance_length"],
                     "threshold": g.min_acceptance_length, "passed": d["acceptance_length"] >= g.min_acceptance_length})
     return out
 
@@ -204,13 +273,19 @@ def markdown(report: dict[str, Any]) -> str:
                   "| scheme | KL | top-1 agreement | weight bytes ratio |", "|---|---|---|---|"]
         lines += [f"| {s} | {q['kl']:.5f} | {q['top1_agreement']:.4f} | {q['weight_bytes_ratio']:.3f} |"
                   for s, q in report["quantization"].items()]
-    if "draft" in report:
-        d = report["draft"]
-        lines += ["", "## Speculative decoding (batch 1, greedy)", "",
-                  "| acceptance length | speedup | draft tokens (k) | lossless | plain tok/s | speculative tok/s |",
-                  "|---|---|---|---|---|---|",
-                  f"| {d['acceptance_length']:.2f} | {d['speedup']:.2f}x | {d['draft_tokens']} | {d['lossless']} "
-                  f"| {d['plain_tokens_per_s']:.1f} | {d['speculative_tokens_per_s']:.1f} |"]
+    for name in ("draft", "mtp"):
+        if name not in report:
+            continue
+        what = "EAGLE-3 draft" if name == "draft" else "the target's own MTP head as the draft"
+        lines += ["", f"## Speculative decoding: {what}", "",
+                  "| run | temperature | batch | k | acceptance length | per-position acceptance | speedup "
+                  "| plain tok/s | speculative tok/s | lossless |", "|---|---|---|---|---|---|---|---|---|---|"]
+        for run, r in report[name]["runs"].items():
+            lines.append(f"| {run} | {r['temperature']:g} | {r['batch_size']} | {r['draft_tokens']} "
+                         f"| {r['acceptance_length']:.2f} "
+                         f"| {' '.join(f'{a:.2f}' for a in r['per_position_acceptance'])} "
+                         f"| {r['speedup']:.2f}x | {r['plain_tokens_per_s']:.1f} | {r['speculative_tokens_per_s']:.1f} "
+                         f"| {r.get('lossless', 'n/a (sampling)')} |")
     lines += ["", "## Gates", "", "| gate | value | threshold | passed |", "|---|---|---|---|"]
     lines += [f"| {g['gate']} | {g['value']:.4g} | {g['threshold']:.4g} | {'yes' if g['passed'] else '**NO**'} |"
               for g in report["gates"]]
@@ -235,10 +310,15 @@ def evaluate(cfg: EvalConfig, *, base: Path | None, finetuned: Path, quantized: 
             "weight_bytes_ratio": weight_bytes(qmodel, linears_only=True) / float_linear,
             "model_bytes_ratio": weight_bytes(qmodel) / float_all,
         }
-    if draft is not None:
-        eos = json.loads((finetuned / "config.json").read_text()).get("eos_token_id")
-        report["draft"] = speculative(target, models.from_pretrained(str(draft)), spec_prompts(data_dir, cfg),
-                                      cfg, eos)
+    eos = json.loads((finetuned / "config.json").read_text()).get("eos_token_id")
+    if draft is not None or getattr(target, "num_mtp_layers", 0):
+        served = target if cfg.spec_target == "finetuned" else _served_model(quantized, cfg.spec_target)
+        prompts = spec_prompts(data_dir, cfg)
+        if draft is not None:
+            eagle = load_eagle3(str(draft), embed_tokens=served.embed_tokens.weight[...])
+            report["draft"] = {**draft_report(served, eagle, prompts, cfg, eos), "target": cfg.spec_target}
+        if getattr(served, "num_mtp_layers", 0):  # DeepSeek-V3 / GLM-4.5: the built-in MTP head as a draft
+            report["mtp"] = draft_report(served, MTPDraft(served), prompts, cfg, eos)
     report["gates"] = gates(report, cfg.gates)
     report["passed"] = all(g["passed"] for g in report["gates"])
     report["eval_tokens"] = int(sum(b["loss_mask"].sum() for b in batches))
@@ -258,7 +338,7 @@ def compute(cfg: EvalConfig):
         schemes = {p.name: p for p in sorted(quant.iterdir()) if (p / "config.json").exists()} if quant else {}
         return evaluate(cfg, base=model_dir(ctx.inputs["base"]) if "base" in ctx.inputs else None,
                         finetuned=model_dir(ctx.inputs["finetune"]), quantized=schemes,
-                        draft=ctx.inputs["draft"] / "draft" if "draft" in ctx.inputs else None,
+                        draft=draft_dir(ctx.inputs["draft"]) if "draft" in ctx.inputs else None,
                         data_dir=ctx.inputs["data"], out_dir=ctx.out_dir)
 
     return _compute
@@ -268,7 +348,7 @@ def main(argv: list[str] | None = None) -> None:
     def run(cfg: EvalConfig, a) -> dict[str, Any]:
         quantized = {s.split("=", 1)[0]: Path(s.split("=", 1)[1]) for s in a.quantized}
         return evaluate(cfg, base=a.base and model_dir(a.base), finetuned=model_dir(a.finetuned), quantized=quantized,
-                        draft=a.draft and model_dir(a.draft), data_dir=a.data, out_dir=a.out)
+                        draft=a.draft and draft_dir(a.draft), data_dir=a.data, out_dir=a.out)
 
     stage_main(__doc__, EvalConfig, {
         "--base": OPTIONAL_PATH, "--finetuned": PATH, "--draft": OPTIONAL_PATH, "--data": PATH,

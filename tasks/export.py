@@ -4,7 +4,8 @@
       model/              HF layout (config.json, safetensors, tokenizer.json + tokenizer_config.json with the
                           chat template the data was rendered with, generation_config.json)
       adapter/            PEFT LoRA adapter (LoRA runs)
-      draft/              the speculative-decoding draft (HF layout + draft_config.json)
+      draft/              the EAGLE-3 draft: sglang/ (LlamaForCausalLMEagle3, SGLang and vLLM), speculators/
+                          (vLLM speculators Eagle3Speculator), draft_config.json
       quantized/<scheme>/ compressed-tensors checkpoints
       eval/               report.json, report.md
       lineage.json        recipe, stage fingerprints and artifact digests, git SHA, code version
@@ -56,8 +57,14 @@ def model_card(cfg: ExportConfig, report_md: str, lineage: dict[str, Any], has_a
     ]
     if has_adapter:
         lines.append("| `adapter/` | the LoRA adapter, PEFT layout (`PeftModel.from_pretrained(base, 'adapter')`) |")
-    lines.append(f"| `draft/` | draft model for speculative decoding, k={draft_k} "
-                 "(vLLM: `speculative_config={'model': 'draft', 'num_speculative_tokens': k}`) |")
+    served = cfg.recipe.get("serve", "finetuned")
+    target = "model" if served == "finetuned" else f"quantized/{served}"
+    lines.append(f"| `draft/sglang/` | EAGLE-3 draft for `{target}/`, k={draft_k} (SGLang: `--speculative-algorithm "
+                 f"EAGLE3 --speculative-draft-model-path draft/sglang --speculative-num-steps {draft_k} "
+                 f"--speculative-eagle-topk 1 --speculative-num-draft-tokens {draft_k + 1}`) |")
+    spec_cfg = json.dumps({"model": "draft/speculators", "num_speculative_tokens": draft_k})
+    lines.append(f"| `draft/speculators/` | the same draft in vLLM's speculators layout "
+                 f"(`vllm serve {target} --speculative-config '{spec_cfg}'`) |")
     lines += [f"| `quantized/{s}/` | compressed-tensors checkpoint (`LLM('quantized/{s}')` in vLLM) |" for s in schemes]
     lines += ["| `eval/` | report.json, report.md |", "| `lineage.json` | what produced every file |", ""]
     lines += [report_md.replace("# Evaluation report", "## Evaluation").strip(), "",

@@ -104,8 +104,14 @@ def compute(cfg: FinetuneConfig, progress: Progress | None = None):
     return _compute
 
 
-def model_dir(artifact_dir: Path) -> Path:
-    """The HF checkpoint in an artifact (`model/`, or `draft/` for a draft artifact) or a bare HF folder."""
+def model_dir(artifact_dir: Path, variant: str = "finetuned") -> Path:
+    """The HF checkpoint in an artifact (`model/`, or `draft/` for a draft artifact) or a bare HF folder;
+    `variant` other than "finetuned" names a quantized scheme inside a quantize artifact (`<scheme>/`)."""
+    if variant != "finetuned":
+        if not (artifact_dir / variant / "config.json").exists():
+            have = sorted(p.name for p in artifact_dir.iterdir() if (p / "config.json").exists())
+            raise ValueError(f"{artifact_dir}: no quantized variant {variant!r} (have: {have})")
+        return artifact_dir / variant
     for sub in ("model", "draft"):
         if (artifact_dir / sub / "config.json").exists():
             return artifact_dir / sub

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from tasks.base import BaseConfig
 from tasks.data_prep import DataPrepConfig
@@ -51,6 +51,21 @@ class ReleaseConfig(BaseModel):
     quantize: QuantizeConfig = QuantizeConfig()
     evaluate: EvalConfig = EvalConfig()
     refresh: RefreshConfig = RefreshConfig()
+    # The model the release serves and the draft is trained and measured against: the fine-tuned
+    # weights or one of `quantize.schemes` (a quantized target shifts the distribution the draft must match).
+    serve: str = "finetuned"
+
+    @model_validator(mode="after")
+    def _serve_known(self) -> ReleaseConfig:
+        if self.serve != "finetuned" and self.serve not in self.quantize.schemes:
+            raise ValueError(f"serve {self.serve!r} is neither 'finetuned' nor one of quantize.schemes "
+                             f"{list(self.quantize.schemes)}")
+        return self
+
+    def served(self, section: str) -> BaseModel:
+        """A stage's config with its served-model field set from `serve`."""
+        field = {"traces": "target", "draft": "target", "evaluate": "spec_target"}[section]
+        return getattr(self, section).model_copy(update={field: self.serve})
 
 
 def _one_line(e: ValidationError, source: str) -> ConfigError:

@@ -21,6 +21,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+import storage
 from storage import ArtifactRef, Store, fingerprint
 
 log = logging.getLogger("forgeline.stage")
@@ -81,6 +82,9 @@ def run_stage(
         metadata = compute(ctx) or {}
         metadata = {**metadata, "seconds": round(time.perf_counter() - t0, 2)}
         ref = store.commit(staging, kind, fp, config=config_dict(config), inputs=inputs.values(), metadata=metadata)
+        # The committed artifact supersedes the stage's resumable side state (training checkpoints,
+        # finished trace shards): without this, offline hidden states would sit in the store twice.
+        storage.rm(store.url(f"checkpoints/{kind}/{fp}"))
         log.info("%s: committed %s in %.1fs", kind, ref.url, metadata["seconds"])
         return ref
     finally:

@@ -1,41 +1,89 @@
-"""Stage `traces`: the fine-tuned target regenerates answers for prompts, and its own outputs become
-the draft's training data (EAGLE/Medusa practice: train the draft on what the target actually says,
-not on the dataset's references -- speculative-and-quantization-formats.md §A5).
+"""Stage `traces`: the fine-tuned target regenerates answers for prompts; its own outputs and, in
+offline mode, its hidden states become the EAGLE-3 draft's training data
+(speculative-and-quantization-formats.md §A5: regenerate with the target, at the serving temperature;
+§A6: online vs offline hidden states and what they cost; §A2: the aux layers the features come from).
 
-    python -m tasks.traces --model DIR --data DIR --out DIR [--set num_prompts=128 ...]
+    python -m tasks.traces --model DIR --data DIR --out DIR [--set num_prompts=128 hidden_states=online ...]
 
 Inputs: `model` (an HF checkpoint folder or a finetune artifact) and `data` (data_prep output: its
-train rows give the training prompts, `prompts.parquet` the held-out ones). Output: packed Parquet
-in data_prep's row format (`train-*.parquet`, `valid-*.parquet`: prompt + generated answer, loss on
-the answer), the tokenizer files, and `samples.jsonl` with decoded examples for people to read.
-Generation is batched (left padding) with the KV cache, in length-sorted buckets.
+train rows give the training prompts, after `skip_prompts`; `prompts.parquet` the held-out ones).
+
+Work goes in shards of `shard_prompts` prompts per split. Shard i of a split is generated (batched,
+KV cache, left padding, length-sorted buckets, one fixed batch shape; the sampling RNG is a pure
+function of (seed, split, i), so a restarted job regenerates identical shards), packed into
+data_prep's row format and, in offline mode, run through ONE teacher-forcing forward of the target
+over the packed rows (segment ids keep packed sequences apart). Output folder:
+
+    train-NNNNN.parquet, valid-NNNNN.parquet   packed rows (data_prep's format; loss on the answer + eos)
+    hidden-{split}-NNNNN.safetensors           offline only, rows aligned with the parquet shard:
+                                               `aux` [R, T, n·D_t] = the target's hidden states at
+                                               `aux_layer_ids` (layer outputs, concatenated low→high
+                                               in the listed order), `final` [R, T, D_t] = its final
+                                               normed hidden (logits = the target's LM head of it);
+                                               `hidden_dtype`, zeros at padding (segment id 0)
+    traces.json                                aux_layer_ids, mode, dtype, D_t, per-split counts and
+                                               throughput, storage bytes (offline: measured; online:
+                                               what offline would have cost)
+    samples.jsonl                              decoded examples for people to read
+    tokenizer.json, special_tokens.json, tokenizer_config.json
+
+Resumability: every finished shard is persisted before the next starts -- in the output folder
+(files written under a temporary name and renamed, then a marker in `.progress/`) and, when the stage
+runs with a store, under `checkpoints/traces/<fingerprint>/` (files uploaded first, the marker
+`<shard>.done.json` last, so that a half-uploaded shard is never taken as done). On start, shards
+whose marker matches (same config, code, prompts and target) are reused (fetched from the store if
+needed) and only the missing ones are generated.
+
+`target_features` is the one definition of the features; the draft trainer's online mode calls it
+inside its jitted step, `hidden_for_rows` (offline) jits it over packed rows.
 """
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
 import logging
+import os
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-from pydantic import BaseModel, ConfigDict, Field
+from flax import nnx
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from safetensors.numpy import save_file
 from tokenizers import Tokenizer
 
 import models
+import storage
+from models.eagle3 import default_aux_layer_ids
 from models.generate import generate
+from models.hf import NUMPY_DTYPES, read_safetensors_header
 from tasks.cli import PATH, stage_main
+from tasks.data_prep import ROW_SCHEMA
 from tasks.finetune import model_dir
 from tasks.stage import StageContext
 from tasks.train import COLUMNS
 
 log = logging.getLogger("forgeline.traces")
+
+SPLITS = ("train", "valid")
+PROGRESS_DIR = ".progress"  # local shard markers (removed from a stage's committed output)
+HIDDEN_FORMAT = "forgeline-traces-hidden/1"
+TOKENIZER_FILES = ("tokenizer.json", "special_tokens.json", "tokenizer_config.json")
+# fields that only choose which prompts exist; a shard's key covers its prompts themselves
+_PROMPT_SELECTION = {"num_prompts", "num_valid_prompts", "skip_prompts", "max_prompt_len"}
+
+
+def _canonical(obj: Any) -> str:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str)
 
 
 class TracesConfig(BaseModel):
@@ -46,11 +94,40 @@ class TracesConfig(BaseModel):
     num_valid_prompts: int = Field(32, ge=1)  # held-out prompts (the draft's validation split)
     max_prompt_len: int = Field(160, ge=2)
     max_new_tokens: int = Field(64, ge=1)
-    temperature: float = Field(0.0, ge=0)  # 0 = greedy, the regime the draft is evaluated in
+    temperature: float = Field(0.8, ge=0)  # SpecForge regenerates at 0.8; 0 = greedy
     top_p: float = Field(1.0, gt=0, le=1)
-    batch_size: int = Field(32, ge=1)
+    batch_size: int = Field(32, ge=1)  # generation and teacher-forcing batch (rows)
     seq_len: int = Field(256, ge=8)
     seed: int = 0
+    shard_prompts: int = Field(64, ge=1)  # prompts per shard: the unit of work, persistence and resumption
+    hidden_states: Literal["offline", "online"] = "offline"  # online: the draft trainer runs the target itself
+    aux_layer_ids: list[int] | None = Field(None, min_length=1)  # None: models.eagle3.default_aux_layer_ids
+    hidden_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    target: str = "finetuned"  # the model that answers: "finetuned" or a quantized scheme of a quantize artifact
+
+    @field_validator("aux_layer_ids")
+    @classmethod
+    def _non_negative(cls, ids: list[int] | None) -> list[int] | None:
+        if ids is not None and any(i < 0 for i in ids):
+            raise ValueError(f"aux_layer_ids {ids}: ids are 0-based decoder layer outputs, all >= 0")
+        return ids
+
+    @model_validator(mode="after")
+    def _prompt_leaves_room(self) -> TracesConfig:
+        if self.max_prompt_len >= self.seq_len:
+            raise ValueError(f"max_prompt_len {self.max_prompt_len} must be < seq_len {self.seq_len} "
+                             "(a prompt must leave room for its answer in a row)")
+        return self
+
+
+def resolve_aux_layer_ids(aux_layer_ids: Sequence[int] | None, num_layers: int) -> tuple[int, ...]:
+    """The configured ids, or EAGLE-3's defaults for the target; each must be a layer of the target."""
+    ids = tuple(default_aux_layer_ids(num_layers)) if aux_layer_ids is None else tuple(aux_layer_ids)
+    bad = [i for i in ids if not 0 <= i < num_layers]
+    if bad:
+        raise ValueError(f"traces: aux_layer_ids {list(ids)}: {bad} not a layer of the target "
+                         f"({num_layers} layers, ids 0..{num_layers - 1})")
+    return ids
 
 
 # -- prompts ---------------------------------------------------------------------------------------
@@ -80,36 +157,67 @@ def prompts_from_rows(data_dir: Path, split: str, limit: int, bos: int, max_len:
 
 
 def heldout_prompts(data_dir: Path, limit: int, max_len: int) -> list[list[int]]:
-    table = pq.read_table(data_dir / "prompts.parquet", columns=["prompt_ids"])
+    path = Path(data_dir) / "prompts.parquet"
+    if not path.exists():
+        raise FileNotFoundError(f"traces: {path} is missing (the held-out prompts of data_prep)")
+    table = pq.read_table(path, columns=["prompt_ids"])
     return [p for p in table.column("prompt_ids").to_pylist() if len(p) <= max_len][:limit]
+
+
+def load_prompts(cfg: TracesConfig, data_dir: Path, bos: int) -> dict[str, list[list[int]]]:
+    """Training prompts (train rows, after `skip_prompts`) and held-out prompts; one-line error if none."""
+    found = {
+        "train": prompts_from_rows(data_dir, "train", cfg.num_prompts, bos, cfg.max_prompt_len, cfg.skip_prompts),
+        "valid": heldout_prompts(data_dir, cfg.num_valid_prompts, cfg.max_prompt_len),
+    }
+    if not found["train"]:
+        raise ValueError(f"traces: no train prompts in {data_dir} (train-*.parquet) of at most "
+                         f"max_prompt_len={cfg.max_prompt_len} tokens after skip_prompts={cfg.skip_prompts}")
+    if not found["valid"]:
+        raise ValueError(f"traces: no valid prompts in {data_dir} (prompts.parquet) of at most "
+                         f"max_prompt_len={cfg.max_prompt_len} tokens")
+    return found
 
 
 # -- generation ------------------------------------------------------------------------------------
 
 
-def batched_generate(model, prompts: list[list[int]], cfg: TracesConfig, eos: int, pad: int) -> list[list[int]]:
-    """Answers (without eos and padding) for every prompt, batched in length-sorted buckets."""
+def shard_rng(seed: int, split: str, index: int) -> jax.Array:
+    """The sampling key of shard `index` of `split`: a pure function of its arguments."""
+    return jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), SPLITS.index(split)), index)
+
+
+def batched_generate(model: nnx.Module, prompts: list[list[int]], cfg: TracesConfig, eos: int, pad: int,
+                     rng: jax.Array) -> list[list[int]]:
+    """Answers (without eos and padding) for every prompt, batched in length-sorted buckets of one
+    fixed batch shape (min(batch_size, shard_prompts) rows, prompt width rounded up to 16); batch b
+    samples with `fold_in(rng, b)`."""
+    batch_size = min(cfg.batch_size, cfg.shard_prompts)
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     answers: list[list[int]] = [[] for _ in prompts]
-    rng = jax.random.key(cfg.seed)
-    for b in range(0, len(order), cfg.batch_size):
-        idx = order[b : b + cfg.batch_size]
-        width = max(len(prompts[i]) for i in idx)
-        width = -(-width // 16) * 16  # bucket the prompt width to limit recompilation
-        batch = np.full((cfg.batch_size, width), pad, np.int32)  # fixed batch: one compiled shape
-        lengths = np.ones((cfg.batch_size,), np.int32)
+    for b, start in enumerate(range(0, len(order), batch_size)):
+        idx = order[start : start + batch_size]
+        width = -(-max(len(prompts[i]) for i in idx) // 16) * 16  # bucketed width: few compiled shapes
+        batch = np.full((batch_size, width), pad, np.int32)  # [B, W]
+        lengths = np.ones((batch_size,), np.int32)
         for row, i in enumerate(idx):
             batch[row, width - len(prompts[i]):] = prompts[i]  # left padding
             lengths[row] = len(prompts[i])
-        for row in range(len(idx), cfg.batch_size):
+        for row in range(len(idx), batch_size):  # filler rows: one real token each
             batch[row, -1] = prompts[idx[0]][-1]
-        rng, key = jax.random.split(rng)
         out = generate(model, batch, prompt_lengths=lengths, max_new_tokens=cfg.max_new_tokens,
-                       temperature=cfg.temperature, top_p=cfg.top_p, rng=key, eos_token_id=eos)
-        tokens, lens = np.asarray(out.tokens), np.asarray(out.lengths)
+                       temperature=cfg.temperature, top_p=cfg.top_p, rng=jax.random.fold_in(rng, b),
+                       eos_token_id=eos, pad_token_id=pad)
+        tokens, lens = np.asarray(out.tokens), np.asarray(out.lengths)  # [B, M], [B]
         for row, i in enumerate(idx):
             answers[i] = [int(t) for t in tokens[row, : lens[row]] if t != eos]
     return answers
+
+
+def generate_shard(model: nnx.Module, prompts: list[list[int]], cfg: TracesConfig, eos: int, pad: int,
+                   split: str, index: int) -> list[list[int]]:
+    """The answers of one shard, sampled with `shard_rng(cfg.seed, split, index)`."""
+    return batched_generate(model, prompts, cfg, eos, pad, shard_rng(cfg.seed, split, index))
 
 
 # -- packing into data_prep's row format -----------------------------------------------------------
@@ -144,50 +252,345 @@ def pack(sequences: Iterator[tuple[list[int], list[int]]], seq_len: int, eos: in
     return rows
 
 
-def write_rows(rows: dict[str, list], path: Path) -> int:
-    schema = pa.schema([(c, pa.list_(pa.int8() if c == "loss_mask" else pa.int32())) for c in COLUMNS])
-    pq.write_table(pa.table({c: rows[c] for c in COLUMNS}, schema=schema), path)
-    return len(rows["input_ids"])
+def write_rows(rows: Mapping[str, Any], path: Path) -> int:
+    """Rows (lists or [R, T] arrays per column) as a data_prep-format Parquet file; returns R."""
+    arrays = {c: np.asarray(rows[c], np.int8 if c == "loss_mask" else np.int32) for c in COLUMNS}  # [R, T]
+    R, T = arrays["input_ids"].shape
+    offsets = pa.array(np.arange(0, (R + 1) * T, T, dtype=np.int32))
+    table = pa.table([pa.ListArray.from_arrays(offsets, pa.array(arrays[c].reshape(-1))) for c in COLUMNS],
+                     schema=ROW_SCHEMA)
+    pq.write_table(table, path, compression="zstd")
+    return R
+
+
+def read_rows(path: Path) -> dict[str, np.ndarray]:
+    """A packed Parquet shard as int32 arrays [R, T] per column."""
+    table = pq.read_table(path, columns=list(COLUMNS))
+    return {c: np.stack(table.column(c).to_numpy(zero_copy_only=False)).astype(np.int32) for c in COLUMNS}
+
+
+# -- hidden states ---------------------------------------------------------------------------------
+
+
+def target_features(model: nnx.Module, batch: Mapping[str, jax.Array],
+                    aux_layer_ids: Sequence[int]) -> tuple[jax.Array, jax.Array]:
+    """The EAGLE-3 features of packed rows, one teacher-forcing forward (pure, jittable; the ids are static).
+
+    batch: `input_ids`, `positions`, `segment_ids` [B, T] (data_prep's packed columns; segments attend
+    only within themselves, 0 = padding). Returns aux [B, T, n·D_t] (the outputs of decoder layers
+    `aux_layer_ids`, concatenated in that order) and final [B, T, D_t] (the final normed hidden: the
+    target's logits are `model.lm_logits(final)`), both zero at padding, in the model's dtype.
+    """
+    _, hidden = model(batch["input_ids"], positions=batch["positions"], segment_ids=batch["segment_ids"],
+                      return_hidden=tuple(aux_layer_ids) + (-1,))
+    real = (batch["segment_ids"] != 0)[..., None]  # [B, T, 1]
+    aux = jnp.where(real, jnp.concatenate(hidden[:-1], axis=-1), 0)  # [B, T, n·D_t]
+    final = jnp.where(real, hidden[-1], 0)  # [B, T, D_t]
+    return aux, final
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "aux_layer_ids", "dtype"))
+def _features_jit(graphdef, state, batch, *, aux_layer_ids: tuple[int, ...], dtype: str):
+    aux, final = target_features(nnx.merge(graphdef, state), batch, aux_layer_ids)
+    return aux.astype(jnp.dtype(dtype)), final.astype(jnp.dtype(dtype))  # the LM head is dead code here
+
+
+def hidden_for_rows(model: nnx.Module, rows: Mapping[str, np.ndarray], aux_layer_ids: Sequence[int],
+                    dtype: str | np.dtype = "float32", *, batch_size: int = 8) -> dict[str, np.ndarray]:
+    """`target_features` over packed rows [R, T] in fixed batches of `batch_size` (one compiled shape):
+    {"aux": [R, T, n·D_t], "final": [R, T, D_t]} as numpy arrays of `dtype` (bfloat16 via ml_dtypes)."""
+    name = jnp.dtype(dtype).name
+    R, T = np.shape(rows["input_ids"])
+    B = max(1, min(batch_size, R))
+    graphdef, state = nnx.split(model)
+    D, n = model.config.hidden_size, len(aux_layer_ids)
+    out = {"aux": np.zeros((R, T, n * D), jnp.dtype(name)), "final": np.zeros((R, T, D), jnp.dtype(name))}
+    for lo in range(0, R, B):
+        hi = min(lo + B, R)
+        batch = {}
+        for c in ("input_ids", "positions", "segment_ids"):
+            x = np.zeros((B, T), np.int32)  # rows past R: all padding
+            x[: hi - lo] = np.asarray(rows[c][lo:hi], np.int32)
+            batch[c] = x
+        aux, final = _features_jit(graphdef, state, batch, aux_layer_ids=tuple(aux_layer_ids), dtype=name)
+        out["aux"][lo:hi] = np.asarray(aux)[: hi - lo]
+        out["final"][lo:hi] = np.asarray(final)[: hi - lo]
+    return out
+
+
+def write_hidden(path: Path, hidden: Mapping[str, np.ndarray], aux_layer_ids: Sequence[int]) -> None:
+    """A hidden-state shard as safetensors (bfloat16 stored natively as BF16 through ml_dtypes)."""
+    # one metadata entry: safetensors writes several in hash order, and shards must be byte-reproducible
+    meta = {"forgeline": _canonical({"format": HIDDEN_FORMAT, "aux_layer_ids": list(aux_layer_ids),
+                                     "dtype": hidden["aux"].dtype.name})}
+    save_file({k: np.ascontiguousarray(v) for k, v in hidden.items()}, str(path), metadata=meta)
+
+
+def load_hidden(path: str | Path) -> dict[str, np.ndarray]:
+    """A hidden-state shard ({"aux": [R, T, n·D_t], "final": [R, T, D_t]}) as float32 arrays,
+    whatever dtype it was stored in (BF16 / F16 / F32)."""
+    header = read_safetensors_header(str(path))
+    start = header.pop("__data_start__")
+    raw = np.memmap(path, np.uint8, mode="r")
+    out = {}
+    for name, info in header.items():
+        begin, end = info["data_offsets"]
+        data = raw[start + begin : start + end].view(NUMPY_DTYPES[info["dtype"]])
+        out[name] = data.reshape(info["shape"]).astype(np.float32)
+    return out
+
+
+# -- shard persistence -----------------------------------------------------------------------------
+
+
+def shard_key(cfg: TracesConfig, run_key: str, split: str, index: int, prompts: list[list[int]]) -> str:
+    """What a finished shard depends on: the config (less prompt selection: the prompts themselves are
+    in), the code version, the run (the target), the split, the index and the shard's prompts."""
+    payload = {"config": cfg.model_dump(mode="json", exclude=_PROMPT_SELECTION), "code": storage.code_version(),
+               "run": run_key, "split": split, "index": index, "prompts": prompts}
+    return hashlib.sha256(_canonical(payload).encode()).hexdigest()
+
+
+def _tmp(path: Path) -> Path:
+    return path.with_name(f".{path.name}.tmp")
+
+
+class ShardCheckpoints:
+    """Finished shards, file first and marker last: locally in `out_dir` (files renamed into place,
+    then `.progress/<shard>.json`) and, with `remote` (a store URL), under `remote/` (files uploaded,
+    then `<shard>.done.json`). A marker records the shard's key, its files' sha256/size and its stats."""
+
+    def __init__(self, out_dir: Path, remote: str | None):
+        self.out_dir, self.remote = out_dir, remote
+        (out_dir / PROGRESS_DIR).mkdir(parents=True, exist_ok=True)
+
+    def _local_marker(self, shard: str) -> Path:
+        return self.out_dir / PROGRESS_DIR / f"{shard}.json"
+
+    def _valid_files(self, marker: dict[str, Any]) -> bool:
+        for rel, info in marker["files"].items():
+            p = self.out_dir / rel
+            if not p.exists() or p.stat().st_size != info["size"] or storage.sha256_file(p) != info["sha256"]:
+                return False
+        return True
+
+    def restore(self, shard: str, key: str) -> tuple[dict[str, Any], str] | None:
+        """(stats, "local" | "store") of a finished shard with this key, its files in `out_dir`; else None."""
+        try:
+            marker = json.loads(self._local_marker(shard).read_text())
+            if marker["key"] == key and self._valid_files(marker):
+                return marker["stats"], "local"
+        except (OSError, ValueError, KeyError):
+            pass
+        if self.remote is None:
+            return None
+        try:
+            raw = storage.read_bytes(storage.join(self.remote, f"{shard}.done.json"))
+        except FileNotFoundError:
+            return None
+        marker = json.loads(raw)
+        if marker.get("key") != key:
+            log.warning("traces: %s in %s was made with other settings; regenerating it", shard, self.remote)
+            return None
+        for rel, info in marker["files"].items():
+            dest = self.out_dir / rel
+            storage.download_file(storage.join(self.remote, rel), _tmp(dest))
+            if storage.sha256_file(_tmp(dest)) != info["sha256"]:
+                _tmp(dest).unlink()
+                log.warning("traces: %s in %s does not match its marker; regenerating it", rel, self.remote)
+                return None
+            os.replace(_tmp(dest), dest)
+        self._write_local_marker(shard, raw)
+        return marker["stats"], "store"
+
+    def _write_local_marker(self, shard: str, raw: bytes) -> None:
+        path = self._local_marker(shard)
+        _tmp(path).write_bytes(raw)
+        os.replace(_tmp(path), path)
+
+    def commit(self, shard: str, key: str, files: list[str], stats: dict[str, Any]) -> None:
+        """Record a shard whose files are already in place in `out_dir`."""
+        marker = {"key": key, "stats": stats,
+                  "files": {rel: {"sha256": storage.sha256_file(self.out_dir / rel),
+                                  "size": (self.out_dir / rel).stat().st_size} for rel in files}}
+        raw = json.dumps(marker, indent=1, sort_keys=True).encode()
+        self._write_local_marker(shard, raw)
+        if self.remote is not None:
+            for rel in files:
+                storage.upload_file(self.out_dir / rel, storage.join(self.remote, rel))
+            storage.write_bytes(storage.join(self.remote, f"{shard}.done.json"), raw)  # the commit point
+
+    def remove_stale(self, keep: set[str]) -> None:
+        """Drop outputs of shards that are not part of this run (an earlier run with more prompts)."""
+        patterns = ("train-*.parquet", "valid-*.parquet", "hidden-*.safetensors", f"{PROGRESS_DIR}/*.json",
+                    ".*.tmp", f"{PROGRESS_DIR}/.*.tmp")
+        for pattern in patterns:
+            for p in self.out_dir.glob(pattern):
+                if p.relative_to(self.out_dir).as_posix() not in keep:
+                    p.unlink()
 
 
 # -- the stage -------------------------------------------------------------------------------------
 
 
-def traces(cfg: TracesConfig, model_path: Path, data_dir: Path, out_dir: Path) -> dict[str, Any]:
-    out_dir.mkdir(parents=True, exist_ok=True)
+def _make_shard(model: nnx.Module, prompts: list[list[int]], cfg: TracesConfig, special: dict[str, int],
+                split: str, index: int, aux_ids: tuple[int, ...], out_dir: Path, files: list[str]) -> dict[str, Any]:
+    """Generate, pack and (offline) teacher-force one shard into `files`; returns its stats."""
+    eos, pad = special["eos"], special["pad"]
+    t0 = time.perf_counter()
+    answers = generate_shard(model, prompts, cfg, eos, pad, split, index)
+    generate_s = time.perf_counter() - t0
+    rows = pack(zip(prompts, answers, strict=True), cfg.seq_len, eos, pad)
+    arrays = {c: np.asarray(rows[c], np.int32) for c in COLUMNS}  # [R, T] each
+    parquet = out_dir / files[0]
+    write_rows(arrays, _tmp(parquet))
+    os.replace(_tmp(parquet), parquet)
+    stats = {"prompts": len(prompts), "rows": len(arrays["input_ids"]),
+             "tokens": int((arrays["segment_ids"] != 0).sum()), "answer_tokens": int(arrays["loss_mask"].sum()),
+             "generated_tokens": sum(len(a) for a in answers), "generate_seconds": round(generate_s, 3),
+             "ids_bytes": parquet.stat().st_size, "hidden_bytes": 0}
+    if cfg.hidden_states == "offline":
+        t1 = time.perf_counter()
+        hidden = hidden_for_rows(model, arrays, aux_ids, cfg.hidden_dtype, batch_size=cfg.batch_size)
+        path = out_dir / files[1]
+        write_hidden(_tmp(path), hidden, aux_ids)
+        os.replace(_tmp(path), path)
+        stats["hidden_bytes"] = path.stat().st_size
+        stats["hidden_seconds"] = round(time.perf_counter() - t1, 3)
+    return stats
+
+
+def _samples(tok: Tokenizer, rows: dict[str, np.ndarray], split: str, n: int = 4) -> list[dict[str, str]]:
+    """The first `n` (prompt, answer) pairs of a shard, decoded from its rows."""
+    out = []
+    for r in range(len(rows["input_ids"])):
+        seg = rows["segment_ids"][r]
+        for s in np.unique(seg[seg > 0]):
+            where = np.flatnonzero(seg == s)
+            seq = rows["input_ids"][r][where].tolist() + [int(rows["target_ids"][r][where[-1]])]
+            loss = np.flatnonzero(rows["loss_mask"][r][where])
+            cut = int(loss[0]) + 1 if len(loss) else len(seq)
+            out.append({"split": split, "prompt": tok.decode(seq[:cut], skip_special_tokens=False),
+                        "answer": tok.decode(seq[cut:], skip_special_tokens=False)})
+            if len(out) == n:
+                return out
+    return out
+
+
+def _summary(shards: list[dict[str, Any]]) -> dict[str, Any]:
+    total = {k: sum(s.get(k, 0) for s in shards) for k in
+             ("prompts", "rows", "tokens", "answer_tokens", "generated_tokens", "generate_seconds", "ids_bytes",
+              "hidden_bytes")}
+    total["shards"] = len(shards)
+    total["generate_seconds"] = round(total["generate_seconds"], 3)
+    total["generate_tokens_per_s"] = round(total["generated_tokens"] / max(total["generate_seconds"], 1e-9), 1)
+    return total
+
+
+def traces(cfg: TracesConfig, model_path: Path, data_dir: Path, out_dir: Path, *,
+           checkpoint_url: str | None = None, run_key: str | None = None) -> dict[str, Any]:
+    """Run the stage into `out_dir`; returns the headline numbers (traces.json holds the rest).
+
+    `checkpoint_url`: a store folder where finished shards are persisted and found again (the stage
+    passes `checkpoints/traces/<fingerprint>`); `run_key` names the target for shard reuse (default:
+    the checkpoint folder's listing: names, sizes and modification times).
+    """
+    model_path, data_dir, out_dir = Path(model_path), Path(data_dir), Path(out_dir)
+    if not (model_path / "config.json").exists():
+        raise FileNotFoundError(f"traces: no target checkpoint at {model_path} (config.json is missing)")
+    if not (data_dir / "special_tokens.json").exists():
+        raise FileNotFoundError(f"traces: {data_dir} is not a data_prep folder (special_tokens.json is missing)")
     special = json.loads((data_dir / "special_tokens.json").read_text())
-    bos, eos, pad = special["bos"], special["eos"], special["pad"]
+    prompts = load_prompts(cfg, data_dir, special["bos"])
     model = models.from_pretrained(str(model_path))
+    L, D = model.config.num_hidden_layers, model.config.hidden_size
+    aux_ids = resolve_aux_layer_ids(cfg.aux_layer_ids, L)
+    if run_key is None:
+        run_key = _canonical(storage.listing_signature(str(model_path)))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ckpt = ShardCheckpoints(out_dir, checkpoint_url)
+
+    shards: dict[str, list[dict[str, Any]]] = {}
+    names: dict[str, list[str]] = {}
+    reused: dict[str, list[str]] = {"local": [], "store": []}
+    keep: set[str] = set()
+    for split in SPLITS:
+        shards[split], names[split] = [], []
+        for index, lo in enumerate(range(0, len(prompts[split]), cfg.shard_prompts)):
+            chunk = prompts[split][lo : lo + cfg.shard_prompts]
+            shard = f"{split}-{index:05d}"
+            files = [f"{shard}.parquet"] + ([f"hidden-{shard}.safetensors"] if cfg.hidden_states == "offline" else [])
+            key = shard_key(cfg, run_key, split, index, chunk)
+            found = ckpt.restore(shard, key)
+            if found is not None:
+                stats, where = found
+                reused[where].append(shard)
+            else:
+                stats = _make_shard(model, chunk, cfg, special, split, index, aux_ids, out_dir, files)
+                ckpt.commit(shard, key, files, stats)
+                log.info("traces: %s: %d prompts -> %d rows, %d tokens generated at %.1f tokens/s", shard,
+                         stats["prompts"], stats["rows"], stats["generated_tokens"],
+                         stats["generated_tokens"] / max(stats["generate_seconds"], 1e-9))
+            shards[split].append(stats)
+            names[split].append(shard)
+            keep.update(files + [f"{PROGRESS_DIR}/{shard}.json"])
+    for where, found in reused.items():
+        if found:
+            log.info("traces: reused %d finished shards from the %s: %s", len(found),
+                     "output folder" if where == "local" else f"store ({checkpoint_url})", ", ".join(found))
+    ckpt.remove_stale(keep)
+
     tok = Tokenizer.from_file(str(data_dir / "tokenizer.json"))
-    stats: dict[str, Any] = {}
-    t0, generated = time.perf_counter(), 0
-    samples = []
-    for split, prompts in (
-        ("train", prompts_from_rows(data_dir, "train", cfg.num_prompts, bos, cfg.max_prompt_len, cfg.skip_prompts)),
-        ("valid", heldout_prompts(data_dir, cfg.num_valid_prompts, cfg.max_prompt_len)),
-    ):
-        if not prompts:
-            raise ValueError(f"traces: no {split} prompts of at most {cfg.max_prompt_len} tokens in {data_dir}")
-        answers = batched_generate(model, prompts, cfg, eos, pad)
-        generated += sum(len(a) for a in answers)
-        rows = pack(zip(prompts, answers, strict=True), cfg.seq_len, eos, pad)
-        stats[f"{split}_rows"] = write_rows(rows, out_dir / f"{split}-00000.parquet")
-        stats[f"{split}_prompts"] = len(prompts)
-        samples += [{"split": split, "prompt": tok.decode(p, skip_special_tokens=False),
-                     "answer": tok.decode(a, skip_special_tokens=False)}
-                    for p, a in zip(prompts[:4], answers[:4], strict=True)]
-    seconds = time.perf_counter() - t0
     with open(out_dir / "samples.jsonl", "w") as f:
-        for s in samples:
-            f.write(json.dumps(s) + "\n")
-    for name in ("tokenizer.json", "special_tokens.json"):
-        shutil.copyfile(data_dir / name, out_dir / name)
-    return {**stats, "generated_tokens": generated, "generate_tokens_per_s": round(generated / seconds, 1)}
+        for split in SPLITS:
+            for s in _samples(tok, read_rows(out_dir / f"{names[split][0]}.parquet"), split):
+                f.write(json.dumps(s) + "\n")
+    for name in TOKENIZER_FILES:
+        if (data_dir / name).exists():
+            shutil.copyfile(data_dir / name, out_dir / name)
+
+    per_split = {split: _summary(shards[split]) for split in SPLITS}
+    every = _summary([s for split in SPLITS for s in shards[split]])
+    slots = every["rows"] * cfg.seq_len
+    offline_bytes = slots * (len(aux_ids) + 1) * D * jnp.dtype(cfg.hidden_dtype).itemsize  # aux + final
+    hidden_bytes = every["hidden_bytes"] if cfg.hidden_states == "offline" else offline_bytes
+    store_stats = {
+        "hidden_states": cfg.hidden_states,  # the mode actually used
+        "ids_bytes": every["ids_bytes"],
+        "hidden_bytes": hidden_bytes,  # offline: the files' bytes; online: what offline would have cost
+        "hidden_bytes_estimated": cfg.hidden_states == "online",
+        "hidden_bytes_per_token": round(hidden_bytes / max(every["tokens"], 1), 1),  # per real (non-pad) token
+        "hidden_bytes_per_slot": round(hidden_bytes / max(slots, 1), 1),  # per row position, padding included
+        "fill": round(every["tokens"] / max(slots, 1), 4),
+    }
+    report = {
+        "aux_layer_ids": list(aux_ids), "hidden_states": cfg.hidden_states, "hidden_dtype": cfg.hidden_dtype,
+        "target_hidden_size": D, "target_num_layers": L, "seq_len": cfg.seq_len,
+        "temperature": cfg.temperature, "top_p": cfg.top_p,
+        "splits": per_split, "storage": store_stats,
+        "shards": {split: [f"{n}.parquet" for n in names[split]] for split in SPLITS},
+        "hidden_files": {split: ([f"hidden-{n}.safetensors" for n in names[split]]
+                                 if cfg.hidden_states == "offline" else []) for split in SPLITS},
+        "reused_shards": reused["local"] + reused["store"],
+    }
+    (out_dir / "traces.json").write_text(json.dumps(report, indent=1) + "\n")
+    if checkpoint_url is not None:  # the store holds the progress; the committed output stays clean
+        shutil.rmtree(out_dir / PROGRESS_DIR, ignore_errors=True)
+    return {
+        "hidden_states": cfg.hidden_states, "hidden_dtype": cfg.hidden_dtype, "aux_layer_ids": list(aux_ids),
+        **{f"{split}_{k}": per_split[split][k] for split in SPLITS for k in ("prompts", "rows")},
+        "tokens": every["tokens"], "answer_tokens": every["answer_tokens"],
+        "generated_tokens": every["generated_tokens"], "generate_tokens_per_s": every["generate_tokens_per_s"],
+        "ids_bytes": every["ids_bytes"], "hidden_bytes": hidden_bytes,
+        "hidden_bytes_per_token": store_stats["hidden_bytes_per_token"], "reused_shards": len(report["reused_shards"]),
+    }
 
 
 def compute(cfg: TracesConfig):
     def _compute(ctx: StageContext) -> dict[str, Any]:
-        return traces(cfg, model_dir(ctx.inputs["model"]), ctx.inputs["data"], ctx.out_dir)
+        return traces(cfg, model_dir(ctx.inputs["model"], cfg.target), ctx.inputs["data"], ctx.out_dir,
+                      checkpoint_url=ctx.store.url(f"checkpoints/{ctx.kind}/{ctx.fingerprint}"),
+                      run_key=ctx.fingerprint)
 
     return _compute
 
@@ -195,6 +598,7 @@ def compute(cfg: TracesConfig):
 def main(argv: list[str] | None = None) -> None:
     stage_main(__doc__, TracesConfig, {"--model": PATH, "--data": PATH},
                lambda cfg, a: traces(cfg, model_dir(a.model), a.data, a.out), argv)
+
 
 if __name__ == "__main__":
     main()

@@ -158,9 +158,12 @@ class PackedBatches:
         raise AssertionError("unreachable")
 
     def batch(self, step: int, lo: int = 0, hi: int | None = None) -> dict[str, np.ndarray]:
+        """Rows lo..hi-1 of batch `step`: every column `_read` gives ([hi-lo, T] for the token columns;
+        a subclass may add per-token feature columns [hi-lo, T, ...])."""
         hi = self.batch_size if hi is None else hi
         picks = [self._locate(step * self.batch_size + i) for i in range(lo, hi)]
-        return {c: np.stack([self._load(s)[c][r] for s, r in picks]) for c in COLUMNS}  # each [hi-lo, T]
+        columns = self._load(picks[0][0]).keys() if picks else COLUMNS
+        return {c: np.stack([self._load(s)[c][r] for s, r in picks]) for c in columns}
 
     @property
     def seq_len(self) -> int:
@@ -172,6 +175,12 @@ class PackedBatches:
 
 
 # -- loss, optimizer -------------------------------------------------------------------------------
+
+# A training objective: (model, batch) -> (sum of the per-token loss over the batch's loss positions, an
+# auxiliary loss added with weight `aux_loss_coef`). The step divides the sum by `loss_mask.sum()`.
+LossFn = Callable[[nnx.Module, dict[str, jax.Array]], tuple[jax.Array, jax.Array]]
+# An eval objective: (model, batch) -> (loss sum, token count).
+EvalFn = Callable[[nnx.Module, dict[str, jax.Array]], tuple[jax.Array, jax.Array]]
 
 
 def xent_sum(model: nnx.Module, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
@@ -290,9 +299,12 @@ _FORMATS = {"loss": "{:.4f}", "grad_norm": "{:.3f}", "learning_rate": "{:.3e}", 
 class Trainer:
     """One compiled train step and eval step for one model on one mesh, over the split state
     (trainable params, RNG state, frozen rest). `model` is adopted, not copied: it is placed on the
-    mesh and given the compute dtype and remat policy in place; read results from `trainer.model()`."""
+    mesh and given the compute dtype and remat policy in place; read results from `trainer.model()`.
+    `trainable` is any nnx filter; `loss_fn` / `eval_fn` replace next-token cross entropy (the EAGLE-3
+    draft trains a distillation loss this way, tasks/draft.py)."""
 
-    def __init__(self, model: nnx.Module, cfg: TrainConfig, trainable: Any = nnx.Param, mesh: Mesh | None = None):
+    def __init__(self, model: nnx.Module, cfg: TrainConfig, trainable: Any = nnx.Param, mesh: Mesh | None = None,
+                 loss_fn: LossFn = xent_sum_and_aux, eval_fn: EvalFn = xent_sum):
         self.cfg = cfg
         self.mesh = mesh if mesh is not None else mesh_from_config(cfg.mesh)
         self.rules = _rules(cfg.mesh)
@@ -329,7 +341,7 @@ class Trainer:
         def micro_objective(params, rng_state, frozen, mb, n_total):
             rng_state = jax.tree.map(lambda x: x, rng_state)  # fresh Variables: dropout advances them here
             model = nnx.merge(graphdef, params, rng_state, frozen)
-            ce_sum, aux = xent_sum_and_aux(model, mb)
+            ce_sum, aux = loss_fn(model, mb)
             objective = ce_sum / n_total + coef * aux / A
             return objective, (ce_sum, aux, nnx.state(model, nnx.RngState))
 
@@ -360,7 +372,7 @@ class Trainer:
 
         def eval_step(params, rng_state, frozen, batch):
             model = nnx.merge(eval_graphdef, params, rng_state, frozen)
-            return xent_sum(model, batch)
+            return eval_fn(model, batch)
 
         self._train_step = jax.jit(train_step, donate_argnums=(0, 1, 2),
                                    out_shardings=(self.param_sh, opt_sh, self.rng_sh, replicated))
@@ -388,9 +400,9 @@ class Trainer:
         B, T = loader.batch_size, loader.seq_len
         lo, hi = self._rows_needed(B, T)
         local = loader.batch(step, lo, hi)
-        return {c: jax.make_array_from_callback(
-            (B, T), self.batch_sh, lambda i, x=x: x[(i[0].start or 0) - lo:(B if i[0].stop is None else i[0].stop) - lo,
-                                                    i[1]])
+        rows = lambda i: slice((i[0].start or 0) - lo, (B if i[0].stop is None else i[0].stop) - lo)
+        return {c: jax.make_array_from_callback(  # feature columns [B, T, F] are split like [B, T]
+            (B, *x.shape[1:]), self.batch_sh, lambda i, x=x: x[(rows(i), *i[1:])])
             for c, x in local.items()}
 
     def put(self, batch: dict[str, np.ndarray]) -> dict[str, jax.Array]:
@@ -556,6 +568,7 @@ def fit(
     progress: Progress | None = None,
     label: str = "train",
     logdir: Path | None = None,
+    loader: Callable[..., PackedBatches] = PackedBatches,
 ) -> dict[str, Any]:
     """Train `trainer` for `cfg.steps` steps on `data_dir`'s train split, resuming if possible.
 
@@ -565,8 +578,8 @@ def fit(
     Returns JSON-able metrics: validation loss before and after, the final train loss, tokens/s, MFU.
     """
     cfg = trainer.cfg
-    train = PackedBatches(data_dir, "train", cfg.batch_size, seed=cfg.seed)
-    valid = PackedBatches(data_dir, "valid", cfg.batch_size, shuffle=False)
+    train = loader(data_dir, "train", cfg.batch_size, seed=cfg.seed)
+    valid = loader(data_dir, "valid", cfg.batch_size, shuffle=False)
     start, resumed_from = 0, None
     if checkpoints is not None and (found := checkpoints.restore_latest(trainer.state())) is not None:
         start, state = found

@@ -44,9 +44,13 @@ TINY_RELEASE = [
     "base.model.num_attention_heads=4", "base.model.num_key_value_heads=2", "base.train.steps=20",
     "base.data.max_documents=60", "base.data.vocab_size=1024", "data.max_documents=400",
     "finetune.train.steps=10", "traces.num_prompts=32", "traces.max_new_tokens=16", "draft.train.steps=10",
+    "draft.train.batch_size=4", "draft.ttt_steps=3", "draft.draft_vocab_size=512",
     "evaluate.eval_batches=2", "evaluate.spec_prompts=2", "evaluate.spec_max_new_tokens=16",
     "evaluate.gates.min_acceptance_length=0", "refresh.traces.num_prompts=16", "refresh.traces.skip_prompts=32",
-    "refresh.traces.max_new_tokens=16", "refresh.draft.train.steps=5", "refresh.data.max_documents=400",
+    "refresh.traces.max_new_tokens=16", "refresh.draft.train.steps=5", "refresh.draft.train.batch_size=4",
+    "refresh.draft.ttt_steps=3", "refresh.data.max_documents=400",
+    # the release serves its int8 variant: traces, draft training and speculative eval run against it
+    "serve=int8",
 ]
 
 

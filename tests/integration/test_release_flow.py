@@ -20,7 +20,8 @@ pytestmark = pytest.mark.integration
 BUNDLE_FILES = [
     "model/config.json", "model/tokenizer.json", "model/tokenizer_config.json", "model/generation_config.json",
     "adapter/adapter_config.json",
-    "adapter/adapter_model.safetensors", "draft/config.json", "draft/draft_config.json",
+    "adapter/adapter_model.safetensors", "draft/sglang/config.json", "draft/sglang/model.safetensors",
+    "draft/speculators/config.json", "draft/speculators/model.safetensors", "draft/draft_config.json",
     "quantized/int8/config.json", "eval/report.json", "eval/report.md", "README.md", "lineage.json",
     "manifest.json",
 ]
@@ -61,6 +62,10 @@ def test_bundle_layout_and_manifest(released, tmp_path):
     lineage = json.loads(storage.read_bytes(storage.join(url, "lineage.json")))
     assert set(lineage["stages"]) == {"base", "data", "finetune", "traces", "draft", "quant", "evaluate"}
     assert lineage["recipe"]["name"] == "forgeline-tiny" and lineage["gates_passed"] is True
+    for stage in ("traces", "draft"):  # both ran against the served int8 variant, from the quantize artifact
+        m = json.loads(storage.read_bytes(storage.join(lineage["stages"][stage]["url"], "manifest.json")))
+        assert m["config"]["target"] == "int8"
+        assert lineage["stages"]["quant"]["digest"] in {i["digest"] for i in m["inputs"]}
     assert st.read_pointer("releases/forgeline-tiny") == ref
 
 
@@ -75,6 +80,12 @@ def test_report_schema_and_gates(released):
     assert q["kl"] >= 0 and 0.9 <= q["top1_agreement"] <= 1 and q["weight_bytes_ratio"] < 1
     d = report["draft"]
     assert d["lossless"] is True and 1 <= d["acceptance_length"] <= d["draft_tokens"] + 1 and d["speedup"] > 0
+    assert d["target"] == "int8"  # TINY_RELEASE serves the int8 variant: the draft is measured against it
+    assert set(d["runs"]) == {"chain_t0", "chain_t1", "tree_t0"}
+    for run in d["runs"].values():
+        assert 1 <= run["acceptance_length"] <= d["draft_tokens"] + 1
+        assert len(run["per_position_acceptance"]) == d["draft_tokens"]
+    assert d["runs"]["tree_t0"]["lossless"] is True
     card = storage.read_bytes(storage.join(url, "README.md")).decode()
     assert "acceptance length" in card and "int8" in card
 

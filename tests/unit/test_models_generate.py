@@ -1,4 +1,5 @@
-"""Generation: jitted greedy / sampling loops, padding, hidden states, and speculative decoding."""
+"""Generation: jitted greedy / sampling loops, padding, hidden states (speculative decoding:
+test_speculative.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from models import Llama, LlamaConfig, generate, jit_forward, speculative_generate
+from models import Llama, LlamaConfig, generate, jit_forward
 from models.generate import sample_token
 
 pytestmark = pytest.mark.unit
@@ -20,12 +21,6 @@ V = 96
 @pytest.fixture(scope="module")
 def target():
     return Llama(LlamaConfig.tiny(V), rngs=nnx.Rngs(0))
-
-
-@pytest.fixture(scope="module")
-def draft():
-    return Llama(LlamaConfig.tiny(V, num_hidden_layers=1, hidden_size=32, intermediate_size=64, head_dim=8),
-                 rngs=nnx.Rngs(1))
 
 
 def naive_greedy(model, ids: np.ndarray, n: int, width: int = 16) -> np.ndarray:
@@ -106,37 +101,3 @@ def test_top_p_generate_tiny_nucleus_is_greedy(target):
     greedy = generate(target, ids, max_new_tokens=6)
     nucleus = generate(target, ids, max_new_tokens=6, temperature=1.0, top_p=1e-6, rng=jax.random.PRNGKey(3))
     np.testing.assert_array_equal(np.asarray(greedy.tokens), np.asarray(nucleus.tokens))
-
-
-@pytest.mark.parametrize("k", [1, 3])
-def test_speculative_equals_greedy_with_random_draft(target, draft, k):
-    ids = jnp.asarray(np.random.default_rng(4).integers(0, V, (1, 6)).astype(np.int32))
-    ref = generate(target, ids, max_new_tokens=17)
-    out = speculative_generate(target, draft, ids, max_new_tokens=17, k=k)
-    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
-    assert int(out.lengths[0]) == 17
-    assert 1 <= out.mean_acceptance_length <= k + 1
-    assert int(np.sum(out.accepted_per_call)) >= 16  # every token after the prefill's came from a call
-
-
-def test_speculative_self_draft_accepts_everything(target):
-    k = 4
-    ids = jnp.asarray(np.random.default_rng(5).integers(0, V, (1, 6)).astype(np.int32))
-    ref = generate(target, ids, max_new_tokens=17)
-    out = speculative_generate(target, target, ids, max_new_tokens=17, k=k)
-    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
-    assert out.mean_acceptance_length == k + 1
-    assert out.num_target_calls == -(-16 // (k + 1))  # the prefill emits the first of 17
-
-
-def test_speculative_stops_at_eos_like_greedy(target, draft):
-    ids = jnp.asarray(np.random.default_rng(6).integers(0, V, (1, 6)).astype(np.int32))
-    ref_tokens = np.asarray(generate(target, ids, max_new_tokens=17).tokens[0])
-    eos = int(ref_tokens[6])
-    ref = generate(target, ids, max_new_tokens=17, eos_token_id=eos)
-    assert int(ref.lengths[0]) <= 7
-    for d in (draft, target):
-        k = 3 if d is draft else 4
-        out = speculative_generate(target, d, ids, max_new_tokens=17, k=k, eos_token_id=eos)
-        np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
-        assert out.lengths.tolist() == ref.lengths.tolist()

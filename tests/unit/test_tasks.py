@@ -176,7 +176,7 @@ def test_pack_masks_prompt_and_restarts_positions():
 def _report(ft=10.0, q=10.05, lossless=True, acc=2.0):
     return {"perplexity": {"base": 12.0, "finetuned": ft, "int8": q},
             "quantization": {"int8": {}},
-            "draft": {"lossless": lossless, "mismatched_prompts": 0 if lossless else 1, "acceptance_length": acc}}
+            "draft": {"lossless": lossless, "mismatched_rows": 0 if lossless else 1, "acceptance_length": acc}}
 
 
 def test_gates():

@@ -1,0 +1,140 @@
+"""Speculative-decoding benchmark: the release's EAGLE-3 draft vs plain decoding of the same target.
+
+    python -m benchmarks.speculative [--store file://./artifacts] [--release forgeline-tiny]
+                                     [--k 3 5] [--prompts 16] [--max-new-tokens 64] [--mlp-width 16384]
+                                     [--extra-layers 12]
+
+Needs a finished release in the store (the README's first command). Both decoders run the same
+target at batch 1 on the same held-out prompts (the release's data_prep `prompts.parquet`), compiled
+before timing and timed alternately (tasks/evaluate.py `speculative`). Reported per row: mean
+acceptance length τ (tokens per target verify forward), per-position acceptance, and the wall-clock
+speedup over plain decoding (tokens/s ratio).
+
+Two targets:
+- `release`: the released model as it is (3.3M parameters by default: on a CPU its decode step is
+  dominated by per-op overhead, not by reading weights);
+- `memory-bound`: the same function in a large model. Every MLP is widened to `--mlp-width` with
+  extra units whose `down_proj` columns are zero, and `--extra-layers` decoder layers are appended
+  after the original stack with zero `o_proj` and `down_proj` (each adds exactly 0 to the residual
+  stream). The extra weights are random, so every matmul really runs and the weights no longer fit
+  in cache: decoding reads ~N bytes of weights per step, as a large target does. The hidden states at
+  the draft's feature layers are unchanged, so the release's draft serves it without retraining; the
+  benchmark checks that its greedy output equals the release target's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import models
+import storage
+from models.eagle3 import load_eagle3
+from models.generate import generate
+from storage import Store
+from tasks.draft import draft_dir
+from tasks.evaluate import EvalConfig, spec_prompts, speculative
+
+
+def expand_target(target: nnx.Module, mlp_width: int, extra_layers: int, seed: int = 0) -> nnx.Module:
+    """A bigger model computing the same function as `target` (a Llama/Qwen3 dense decoder): see the
+    module docstring. Returns a new model; `target` is untouched."""
+    c = target.config
+    if mlp_width < c.intermediate_size:
+        raise ValueError(f"--mlp-width {mlp_width} < the target's intermediate_size {c.intermediate_size}")
+    L, F = c.num_hidden_layers, c.intermediate_size
+    big_cfg = dataclasses.replace(c, intermediate_size=mlp_width, num_hidden_layers=L + extra_layers)
+    big = type(target)(big_cfg, rngs=nnx.Rngs(seed))
+    big.embed_tokens.weight.set_value(target.embed_tokens.weight[...])
+    big.norm.weight.set_value(target.norm.weight[...])
+    if target.lm_head is not None:
+        big.lm_head.kernel.set_value(target.lm_head.kernel[...])
+    for i, layer in enumerate(big.layers):
+        mlp, attn = layer.mlp, layer.self_attn
+        if i < L:  # an original layer: its weights, with the MLP padded by units that output zero
+            src = target.layers[i]
+            for name in ("input_layernorm", "post_attention_layernorm"):
+                getattr(layer, name).weight.set_value(getattr(src, name).weight[...])
+            for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                getattr(attn, name).kernel.set_value(getattr(src.self_attn, name).kernel[...])
+            for name in ("gate_proj", "up_proj"):  # [D, F'] : the first F columns are the original units
+                getattr(mlp, name).kernel.set_value(getattr(mlp, name).kernel[...].at[:, :F].set(
+                    getattr(src.mlp, name).kernel[...]))
+            down = jnp.zeros_like(mlp.down_proj.kernel[...]).at[:F].set(src.mlp.down_proj.kernel[...])  # [F', D]
+        else:  # an appended layer: random reads, zero writes to the residual stream
+            attn.o_proj.kernel.set_value(jnp.zeros_like(attn.o_proj.kernel[...]))
+            down = jnp.zeros_like(mlp.down_proj.kernel[...])
+        mlp.down_proj.kernel.set_value(down)
+    return big
+
+
+def _params(model: nnx.Module) -> int:
+    return sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--store", default=os.environ.get("FORGELINE_STORE", "file://./artifacts"))
+    ap.add_argument("--release", default="forgeline-tiny")
+    ap.add_argument("--k", type=int, nargs="+", default=[3, 5])
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--mlp-width", type=int, default=16384)
+    ap.add_argument("--extra-layers", type=int, default=12)
+    ap.add_argument("--json", type=Path, help="also write the rows here")
+    a = ap.parse_args(argv)
+
+    st = Store(storage.normalize_url(a.store))
+    bundle = st.read_pointer(f"releases/{a.release}")
+    if bundle is None:
+        raise SystemExit(f"benchmarks.speculative: no release {a.release!r} in {a.store} (run the release first)")
+    bundle_dir = st.fetch(bundle)
+    lineage = json.loads((bundle_dir / "lineage.json").read_text())
+    data_dir = st.fetch(st.load(lineage["stages"]["data"]["url"]))
+    target = models.from_pretrained(str(bundle_dir / "model"))
+    eos = json.loads((bundle_dir / "model" / "config.json").read_text()).get("eos_token_id")
+    draft = load_eagle3(str(draft_dir(bundle_dir)), embed_tokens=target.embed_tokens.weight[...])
+
+    big = expand_target(target, a.mlp_width, a.extra_layers)
+    cfg0 = EvalConfig(spec_prompts=a.prompts, spec_max_new_tokens=a.max_new_tokens, spec_tree=False)
+    prompts = spec_prompts(data_dir, cfg0)
+    same = all(np.array_equal(np.asarray(generate(target, p, max_new_tokens=a.max_new_tokens, eos_token_id=eos).tokens),
+                              np.asarray(generate(big, p, max_new_tokens=a.max_new_tokens, eos_token_id=eos).tokens))
+               for p in prompts[:4])
+    print(f"release target: {_params(target) / 1e6:.1f}M params; memory-bound target: {_params(big) / 1e6:.1f}M "
+          f"params ({4 * _params(big) / 2**20:.0f} MiB fp32), same greedy output on 4 prompts: {same}")
+    print(f"draft: {_params(draft) / 1e6:.2f}M params (EAGLE-3, vocab {draft.config.draft_vocab_size}, "
+          f"aux layers {list(draft.target_layers)}); jax {jax.__version__} ({jax.default_backend()}), "
+          f"{a.prompts} held-out prompts, {a.max_new_tokens} new tokens, batch 1\n")
+
+    rows = []
+    header = ("| target | mode | T | k | acceptance length | per-position acceptance | plain tok/s | spec tok/s "
+              "| speedup | lossless |")
+    print(header + "\n" + "|---" * 10 + "|")
+    for name, model in (("release", target), ("memory-bound", big)):
+        runs = [(k, t, "chain") for k in a.k for t in (0.0, 1.0)] + [(max(a.k), 0.0, "tree")]
+        for k, t, mode in runs:
+            cfg = cfg0.model_copy(update={"spec_k": k, "tree_depth": k})
+            t0 = time.perf_counter()
+            r = speculative(model, draft, prompts, cfg, eos, temperature=t, mode=mode)
+            r |= {"target": name, "seconds": round(time.perf_counter() - t0, 1)}
+            rows.append(r)
+            print(f"| {name} | {mode} | {t:g} | {k} | {r['acceptance_length']:.2f} "
+                  f"| {' '.join(f'{x:.2f}' for x in r['per_position_acceptance'])} | {r['plain_tokens_per_s']:.1f} "
+                  f"| {r['speculative_tokens_per_s']:.1f} | {r['speedup']:.2f}x | {r.get('lossless', 'n/a')} |",
+                  flush=True)
+    if a.json:
+        a.json.write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()
