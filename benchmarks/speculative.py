@@ -91,15 +91,22 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--mlp-width", type=int, default=16384)
     ap.add_argument("--extra-layers", type=int, default=12)
     ap.add_argument("--json", type=Path, help="also write the rows here")
+    ap.add_argument("--bundle", type=Path, help="a release bundle folder instead of the store's release pointer")
+    ap.add_argument("--data", type=Path, help="with --bundle: the data_prep folder holding prompts.parquet")
     a = ap.parse_args(argv)
 
-    st = Store(storage.normalize_url(a.store))
-    bundle = st.read_pointer(f"releases/{a.release}")
-    if bundle is None:
-        raise SystemExit(f"benchmarks.speculative: no release {a.release!r} in {a.store} (run the release first)")
-    bundle_dir = st.fetch(bundle)
-    lineage = json.loads((bundle_dir / "lineage.json").read_text())
-    data_dir = st.fetch(st.load(lineage["stages"]["data"]["url"]))
+    if a.bundle is not None:
+        bundle_dir, data_dir = a.bundle, a.data
+        if data_dir is None:
+            raise SystemExit("benchmarks.speculative: --bundle needs --data (the folder with prompts.parquet)")
+    else:
+        st = Store(storage.normalize_url(a.store))
+        bundle = st.read_pointer(f"releases/{a.release}")
+        if bundle is None:
+            raise SystemExit(f"benchmarks.speculative: no release {a.release!r} in {a.store} (run the release first)")
+        bundle_dir = st.fetch(bundle)
+        lineage = json.loads((bundle_dir / "lineage.json").read_text())
+        data_dir = st.fetch(st.load(lineage["stages"]["data"]["url"]))
     target = models.from_pretrained(str(bundle_dir / "model"))
     eos = json.loads((bundle_dir / "model" / "config.json").read_text()).get("eos_token_id")
     draft = load_eagle3(str(draft_dir(bundle_dir)), embed_tokens=target.embed_tokens.weight[...])

@@ -203,32 +203,11 @@ class Eagle3Config:
     def to_hf(self, dtype: str = "bfloat16", *, target_config: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """The SGLang / EAGLE-official `config.json` (§A8.1, SpecForge's `llama3-8B-eagle3.json`
         fields; RoPE in the legacy `rope_theta` / `rope_scaling` spelling every engine reads)."""
-        t = dict(target_config or {})
         d: dict[str, Any] = {
             "architectures": [SGLANG_ARCHITECTURE],
-            "model_type": "llama",
-            "num_hidden_layers": 1,
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_attention_heads": self.num_attention_heads,
-            "num_key_value_heads": self.num_key_value_heads,
-            "head_dim": self.head_dim,
-            "hidden_act": "silu",
-            "rms_norm_eps": self.rms_norm_eps,
-            "max_position_embeddings": self.max_position_embeddings,
+            **self._llama_layer_fields(dtype, target_config),
             **self._rope_legacy(),
-            "vocab_size": self.vocab_size,
             "draft_vocab_size": self.draft_vocab_size,
-            "tie_word_embeddings": False,
-            "attention_bias": False,
-            "mlp_bias": False,
-            "pretraining_tp": 1,
-            "initializer_range": INIT_STD,
-            "use_cache": True,
-            "torch_dtype": dtype,
-            "bos_token_id": t.get("bos_token_id"),
-            "eos_token_id": t.get("eos_token_id"),
-            "pad_token_id": t.get("pad_token_id"),
             "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids),
                              "use_aux_hidden_state": True},
         }
@@ -241,10 +220,16 @@ class Eagle3Config:
         """The speculators `transformer_layer_config`: a full transformers LlamaConfig dict of the
         draft layer whose `vocab_size` is the verifier's (§A8.2, speculators PR #188). RoPE in both
         spellings (transformers 5 `rope_parameters`, legacy `rope_theta` / `rope_scaling`)."""
-        t = dict(target_config or {})
         rope = {"rope_type": "default", "rope_theta": self.rope_theta}
         if self.rope_scaling is not None:
             rope = {**dict(self.rope_scaling), "rope_theta": self.rope_theta}
+        return {**self._llama_layer_fields(dtype, target_config), "rope_parameters": rope, **self._rope_legacy(),
+                "attention_dropout": 0.0, "dtype": dtype}
+
+    def _llama_layer_fields(self, dtype: str, target_config: Mapping[str, Any] | None) -> dict[str, Any]:
+        """The transformers LlamaConfig fields of the one draft layer, as both layouts write them
+        (`vocab_size` is the target's; special token ids are the target's)."""
+        t = dict(target_config or {})
         return {
             "model_type": "llama",
             "vocab_size": self.vocab_size,
@@ -257,10 +242,7 @@ class Eagle3Config:
             "hidden_act": "silu",
             "rms_norm_eps": self.rms_norm_eps,
             "max_position_embeddings": self.max_position_embeddings,
-            "rope_parameters": rope,
-            **self._rope_legacy(),
             "attention_bias": False,
-            "attention_dropout": 0.0,
             "mlp_bias": False,
             "pretraining_tp": 1,
             "initializer_range": INIT_STD,
@@ -269,7 +251,6 @@ class Eagle3Config:
             "bos_token_id": t.get("bos_token_id"),
             "eos_token_id": t.get("eos_token_id"),
             "pad_token_id": t.get("pad_token_id"),
-            "dtype": dtype,
             "torch_dtype": dtype,
         }
 

@@ -168,14 +168,16 @@ def speculative(target: nnx.Module, draft: nnx.Module, prompts: list[np.ndarray]
     tree = dict(tree_top_k=cfg.tree_top_k, tree_depth=cfg.tree_depth, tree_tokens=cfg.tree_tokens) \
         if mode == "tree" else {}
 
-    def plain(p, key):
+    def plain(p, key):  # the outputs are plain dataclasses: wait on their arrays, or the timer sees dispatch only
         out = generate(target, p, max_new_tokens=n, temperature=temperature, rng=key, eos_token_id=eos)
-        return jax.block_until_ready(out)
+        jax.block_until_ready((out.tokens, out.lengths))
+        return out
 
     def spec(p, key):
         out = speculative_generate(target, draft, p, max_new_tokens=n, k=k, temperature=temperature, rng=key,
                                    eos_token_id=eos, mode=mode, **tree)
-        return jax.block_until_ready(out)
+        jax.block_until_ready((out.tokens, out.lengths))
+        return out
 
     key = jax.random.key(cfg.seed)
     plain(batches[0], key)  # compile both before timing

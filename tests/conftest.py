@@ -87,3 +87,21 @@ def tiny_base(tmp_path_factory):
     base = root / "base"
     save_model_dir(models.Llama(cfg, rngs=nnx.Rngs(0)), base, data)
     return base, data
+
+
+@pytest.fixture(scope="session")
+def tiny_target(tiny_base, tmp_path_factory):
+    """(target checkpoint, data dir): a random 3-layer tiny Llama on tiny_base's data and tokenizer
+    (the target of the traces and draft stage tests)."""
+    from flax import nnx
+
+    import models
+    from tasks.finetune import save_model_dir
+
+    _, data = tiny_base
+    special = json.loads((data / "special_tokens.json").read_text())
+    cfg = models.LlamaConfig.tiny(vocab_size=512, num_hidden_layers=3, bos_token_id=special["bos"],
+                                  eos_token_id=special["eos"], pad_token_id=special["pad"])
+    path = tmp_path_factory.mktemp("tiny_target") / "model"
+    save_model_dir(models.Llama(cfg, rngs=nnx.Rngs(0)), path, data)
+    return path, data

@@ -23,20 +23,8 @@ DRAFT = dr.DraftConfig(k=3, ttt_steps=3, draft_vocab_size=256, export_dtype="flo
 
 
 @pytest.fixture(scope="module")
-def target(tiny_base, tmp_path_factory):
-    """A random 3-layer tiny Llama checkpoint on tiny_base's tokenizer, and the data folder."""
-    from flax import nnx
-
-    import models
-    from tasks.finetune import save_model_dir
-
-    _, data = tiny_base
-    special = json.loads((data / "special_tokens.json").read_text())
-    cfg = models.LlamaConfig.tiny(vocab_size=512, num_hidden_layers=3, bos_token_id=special["bos"],
-                                  eos_token_id=special["eos"], pad_token_id=special["pad"])
-    path = tmp_path_factory.mktemp("draft_target") / "model"
-    save_model_dir(models.Llama(cfg, rngs=nnx.Rngs(0)), path, data)
-    return path, data
+def target(tiny_target):
+    return tiny_target
 
 
 @pytest.fixture(scope="module")

@@ -31,20 +31,8 @@ GENERATE_SHARD = tr.generate_shard
 
 
 @pytest.fixture(scope="module")
-def target(tiny_base, tmp_path_factory):
-    """(target checkpoint, data dir): a random 3-layer tiny Llama on tiny_base's data and tokenizer."""
-    from flax import nnx
-
-    import models
-    from tasks.finetune import save_model_dir
-
-    _, data = tiny_base
-    special = json.loads((data / "special_tokens.json").read_text())
-    cfg = models.LlamaConfig.tiny(vocab_size=512, num_hidden_layers=3, bos_token_id=special["bos"],
-                                  eos_token_id=special["eos"], pad_token_id=special["pad"])
-    path = tmp_path_factory.mktemp("traces_target") / "model"
-    save_model_dir(models.Llama(cfg, rngs=nnx.Rngs(0)), path, data)
-    return path, data
+def target(tiny_target):
+    return tiny_target
 
 
 @pytest.fixture(scope="module")
