@@ -237,12 +237,6 @@ def draft_report(target: nnx.Module, draft: nnx.Module, prompts: list[np.ndarray
             "per_position_acceptance": greedy["per_position_acceptance"], "runs": runs}
 
 
-def _served_model(quantized: dict[str, Path], scheme: str) -> nnx.Module:
-    if scheme not in quantized:
-        raise ValueError(f"evaluate: spec_target {scheme!r} is not among the quantized variants {sorted(quantized)}")
-    return models.from_pretrained(str(quantized[scheme]))
-
-
 # -- gates and report ------------------------------------------------------------------------------
 
 
@@ -303,8 +297,14 @@ def evaluate(cfg: EvalConfig, *, base: Path | None, finetuned: Path, quantized: 
         report["perplexity"]["base"] = perplexity(models.from_pretrained(str(base)), batches)
     report["perplexity"]["finetuned"] = perplexity(target, batches)
     float_linear, float_all = weight_bytes(target, linears_only=True), weight_bytes(target)
+    if cfg.spec_target != "finetuned" and cfg.spec_target not in quantized:
+        raise ValueError(f"evaluate: spec_target {cfg.spec_target!r} is not among the quantized variants "
+                         f"{sorted(quantized)}")
+    served = target
     for scheme, qdir in quantized.items():
         qmodel = models.from_pretrained(str(qdir))
+        if scheme == cfg.spec_target:
+            served = qmodel  # the model speculative decoding is measured against, loaded once
         report["perplexity"][scheme] = perplexity(qmodel, batches)
         report["quantization"][scheme] = {
             **agreement(target, qmodel, batches),
@@ -314,7 +314,6 @@ def evaluate(cfg: EvalConfig, *, base: Path | None, finetuned: Path, quantized: 
         }
     eos = json.loads((finetuned / "config.json").read_text()).get("eos_token_id")
     if draft is not None or getattr(target, "num_mtp_layers", 0):
-        served = target if cfg.spec_target == "finetuned" else _served_model(quantized, cfg.spec_target)
         prompts = spec_prompts(data_dir, cfg)
         if draft is not None:
             eagle = load_eagle3(str(draft), embed_tokens=served.embed_tokens.weight[...])
