@@ -63,7 +63,7 @@ def release(recipe: str = "tiny", overrides: list[str] | None = None, store: str
     base = base_stage(cfg, store)
     data = run_stage("data_prep", "data_prep", cfg.data, {"tokenizer": base}, store)
     ft = run_stage("finetune", "finetune", cfg.finetune, {"base": base, "data": data}, store)
-    qu = run_stage("quantize", "quantize", cfg.quantize, {"model": ft}, store)
+    qu = run_stage("quantize", "quantize", cfg.quantize, {"model": ft, "data": data}, store)
     served = ft if cfg.serve == "finetuned" else qu  # the draft learns the model that will actually serve
     tr = run_stage("traces", "traces", cfg.served("traces"), {"model": served, "data": data}, store)
     dr = run_stage("draft", "draft", cfg.served("draft"), {"target": served, "traces": tr}, store)

@@ -258,6 +258,8 @@ def state_to_hf(
 
     for name, _, mod in _named_modules(model):
         if hasattr(mod, "hf_export"):
+            if skip_quantized and getattr(mod, "quantized", False):
+                continue  # quantized experts: written by models/quant.py
             for suffix, value in mod.hf_export().items():
                 emit(f"{name}.{suffix}", value)
             continue
@@ -314,19 +316,19 @@ def hf_to_state(
 
     for name, _, mod in _named_modules(model):
         if hasattr(mod, "hf_import"):
-            mod.hf_import(lambda suffix, shape, _n=name: get(f"{_n}.{suffix}", shape))
+            scoped = lambda suffix, shape, _n=name: get(f"{_n}.{suffix}", shape)  # noqa: E731
+            if getattr(mod, "quantized", False):
+                quant.load_experts(scoped, mod, model.quant_scheme)
+            else:
+                mod.hf_import(scoped)
             continue
         if isinstance(mod, Linear):
             i, o = mod.in_features, mod.out_features
             if mod.qweight is not None:
-                packed = get(f"{name}.weight_packed", (o, -(-i // quant.PACK)))
-                shape = get(f"{name}.weight_shape", (2,))
-                if shape is not None and [int(s) for s in shape] != [o, i]:
-                    misshaped.append(f"{name}.weight_shape = {shape.tolist()} (expected {[o, i]})")
-                elif packed is not None:
-                    put(mod.qweight, quant.unpack_int8(np.asarray(packed), (o, i)).T)
-                scale = get(f"{name}.weight_scale", (o, 1))
-                put(mod.scale, None if scale is None else np.asarray(scale, np.float32)[:, 0])
+                try:
+                    quant.load_linear(get, name, mod, model.quant_scheme)
+                except ValueError as e:
+                    misshaped.append(str(e))
             else:
                 w = get(f"{name}.weight", (o, i))
                 put(mod.kernel, None if w is None else np.asarray(w).T)
@@ -375,7 +377,8 @@ def from_pretrained(path_or_url: str, *, dtype: Any = jnp.float32) -> nnx.Module
 
     Parameters and activations use `dtype`. Published quantized checkpoints are dequantized on load
     (DeepSeek FP8 block weights, GPT-OSS MXFP4 experts; models/formats.py); a compressed-tensors
-    int8 checkpoint (as written by `save_pretrained` of a `quantize_int8` model) loads as an int8 model.
+    checkpoint (int4/int8 pack-quantized, FP8 blocks; as `save_pretrained` writes a models/quant.py model)
+    loads quantized, dequantizing in the forward.
     """
     with readable_dir(path_or_url) as folder:
         config_path = os.path.join(folder, "config.json")
@@ -396,10 +399,7 @@ def from_pretrained(path_or_url: str, *, dtype: Any = jnp.float32) -> nnx.Module
                                  "(only [128, 128] is supported)")
             tensors = DequantizingCheckpoint(tensors)
         elif qcfg:
-            quant.check_compressed_tensors_config(qcfg, config_path)
-            for _, lin in quant.quantizable_linears(model):
-                quant.set_int8(lin, jnp.zeros((lin.in_features, lin.out_features), jnp.int8),
-                               jnp.ones((lin.out_features,), jnp.float32))
+            quant.prepare_for_load(model, quant.read_scheme(qcfg, config_path), set(tensors))
         hf_to_state(model, tensors, source=folder)
     return model
 
@@ -418,14 +418,16 @@ def _shards(tensors: dict[str, np.ndarray], max_shard_bytes: int) -> list[dict[s
 
 
 def save_pretrained(
-    model: nnx.Module, path_or_url: str, *, max_shard_bytes: int = 2**30, dtype: Any = None
+    model: nnx.Module, path_or_url: str, *, max_shard_bytes: int = 2**30, dtype: Any = None,
+    layout: str = "compressed-tensors",
 ) -> None:
     """Write config.json, generation_config.json and safetensors in the transformers layout.
 
     `dtype` (default: the model's param dtype) is the on-disk float dtype. More than
     `max_shard_bytes` of tensors are split into model-0000i-of-0000n.safetensors plus
     model.safetensors.index.json. A tied model omits lm_head.weight; LoRA factors are merged into
-    the written weights; an int8 model is written as compressed-tensors pack-quantized.
+    the written weights; a quantized model (models/quant.py) is written in compressed-tensors
+    (`pack-quantized` int, `float-quantized` FP8) or, for FP8 blocks, `layout="deepseek-fp8"`.
     """
     dtype = jnp.dtype(dtype or getattr(model, "param_dtype", jnp.float32))
     if dtype not in DTYPE_NAMES:
@@ -434,7 +436,15 @@ def save_pretrained(
     tensors = state_to_hf(model, dtype=dtype, skip_quantized=quantized)
     config = model.config.to_hf(DTYPE_NAMES[dtype])
     if quantized:
-        qconfig, qtensors = quant.int8_to_compressed_tensors(model, scale_dtype=dtype)
+        if layout == "deepseek-fp8":
+            qconfig, qtensors = quant.to_deepseek_fp8(model)
+        elif layout == "compressed-tensors":
+            # scales stay fp32 whatever `dtype` is: transformers multiplies in the scale's dtype when it
+            # dequantizes, and bf16 scales would move the logits away from ours
+            qconfig, qtensors = quant.to_compressed_tensors(model, quant.scheme_of(model),
+                                                            getattr(model, "quant_ignore", ()))
+        else:
+            raise ValueError(f"unknown quantized layout {layout!r} (compressed-tensors, deepseek-fp8)")
         tensors.update(qtensors)
         config["quantization_config"] = qconfig
     shards = _shards(tensors, max_shard_bytes)

@@ -37,11 +37,34 @@ def hf_name(path: tuple) -> str:
 
 
 class QuantWeight(nnx.Variable):
-    """int8 weight of a quantized Linear, [in, out]. Not a Param: optimizers never touch it."""
+    """Quantized weight codes, [in, out] (int8 holding int4/int8 codes, or float8_e4m3fn). Not a Param:
+    optimizers never touch it."""
 
 
 class QuantScale(nnx.Variable):
-    """Per-output-channel dequantisation scale of a quantized Linear, [out]."""
+    """Dequantisation scales: [G, out] per input group (G = 1 per channel), or [in/128, out/128] blocks."""
+
+
+class QuantZero(nnx.Variable):
+    """Zero points of an asymmetric int scheme, int8 [G, out] (signed, in the codes' range)."""
+
+
+def dequantize(q: jax.Array, scale: jax.Array, zero: jax.Array | None, block: int | None,
+               dtype: Any = jnp.float32) -> jax.Array:
+    """Quantized codes -> float weight, for any leading (expert) axes.
+
+    int codes q [..., in, out] with scale / zero [..., G, out]: w = (q - zero[g]) · scale[g] with g = i // (in / G).
+    float8 codes (`block` set) with scale [..., ceil(in/block), ceil(out/block)]: w = q · scale of its tile.
+    """
+    *lead, n_in, n_out = q.shape
+    if block is not None:
+        s = jnp.repeat(jnp.repeat(scale.astype(dtype), block, axis=-2), block, axis=-1)[..., :n_in, :n_out]
+        return q.astype(dtype) * s
+    G = scale.shape[-2]
+    qg = q.astype(dtype).reshape(*lead, G, n_in // G, n_out)  # [..., G, in/G, out]
+    if zero is not None:
+        qg = qg - zero.astype(dtype)[..., :, None, :]
+    return (qg * scale.astype(dtype)[..., :, None, :]).reshape(*lead, n_in, n_out)
 
 
 class Buffer(nnx.Variable):
@@ -61,7 +84,10 @@ class Linear(nnx.Module):
       LoRA:      kernel Param + lora_a LoRAParam [in, r] + lora_b LoRAParam [r, out], lora_scale = alpha/r,
                  and with a dropout rate > 0 an nnx.Dropout on the LoRA branch's input only (PEFT's
                  lora_dropout; its own 'dropout' RngStream, off after `model.eval()`)
-      int8:      qweight QuantWeight int8 [in, out] + scale QuantScale [out]; kernel is None
+      quantized: qweight QuantWeight [in, out] (int8 codes of an int4/int8 scheme, or float8_e4m3fn),
+                 scale QuantScale [G, out] (G input groups; 1 = per channel) or [in/128, out/128] (FP8
+                 blocks, `qblock` = 128), zero QuantZero int8 [G, out] for asymmetric schemes; kernel is None.
+                 The forward dequantizes on the fly (models/quant.py makes and writes these).
     """
 
     def __init__(
@@ -88,14 +114,17 @@ class Linear(nnx.Module):
         self.lora_rank, self.lora_alpha = 0, 0.0
         self.qweight = nnx.data(None)
         self.scale = nnx.data(None)
+        self.zero = nnx.data(None)
+        self.qblock: int | None = None  # FP8 block edge (scale per qblock x qblock tile); None for int schemes
+        self.qbits = 0  # bits per code of an int scheme (4 or 8; int4 codes are held one per int8)
+        self.calibrating = False  # models/quant.py: sow this layer's inputs for calibration statistics
 
     def add_lora(self, rank: int, alpha: float, *, key: jax.Array, dropout: float = 0.0,
                  dropout_rngs: nnx.RngStream | None = None) -> None:
         """lora_a [in, r] ~ U(±1/sqrt(in)) (PEFT's kaiming-uniform, a=sqrt(5)), lora_b [r, out] = 0."""
         if self.lora_a is not None:
             raise ValueError("LoRA is already applied; merge_lora first")
-        dtype = self.qweight[...].dtype if self.kernel is None else self.kernel[...].dtype
-        dtype = jnp.float32 if dtype == jnp.int8 else dtype
+        dtype = jnp.float32 if self.kernel is None else self.kernel[...].dtype
         bound = 1.0 / np.sqrt(self.in_features)
         a = jax.random.uniform(key, (self.in_features, rank), dtype, -bound, bound)
         self.lora_a = param(a, (self.axes[0], None), nnx.LoRAParam)  # [in, r]
@@ -106,7 +135,7 @@ class Linear(nnx.Module):
     def merge_lora(self) -> None:
         """Fold the adapter into the kernel (W += scale · A B) and drop the factors."""
         if self.kernel is None:
-            raise ValueError("cannot merge LoRA into an int8 Linear; merge before quantize_int8")
+            raise ValueError("cannot merge LoRA into a quantized Linear; merge before quantizing")
         self.kernel[...] = self.weight().astype(self.kernel[...].dtype)
         self.lora_a = self.lora_b = self.lora_dropout = None
         self.lora_scale, self.lora_rank, self.lora_alpha = 0.0, 0, 0.0
@@ -114,7 +143,8 @@ class Linear(nnx.Module):
     def weight(self) -> jax.Array:
         """The effective float kernel [in, out]: dequantized and with LoRA folded in."""
         if self.qweight is not None:
-            w = self.qweight[...].astype(jnp.float32) * self.scale[...].astype(jnp.float32)
+            w = dequantize(self.qweight[...], self.scale[...], None if self.zero is None else self.zero[...],
+                           self.qblock)
         else:
             w = self.kernel[...]
         if self.lora_a is not None:
@@ -127,9 +157,16 @@ class Linear(nnx.Module):
         # (two contracting dims for the kernel gradient) much slower than the plain [B*T, in] form.
         lead = x.shape[:-1]
         x = x.astype(self.dtype).reshape(-1, self.in_features)  # [B*T, in]
-        if self.qweight is not None:
-            # dequantize on the fly; the per-channel scale is applied to the [.., out] result
-            y = x @ self.qweight[...].astype(self.dtype) * self.scale[...].astype(self.dtype)
+        if self.calibrating:
+            self.sow(nnx.Intermediate, "calib", x)
+        if self.qweight is not None and self.zero is None and self.qblock is None and self.scale.shape[0] == 1:
+            # per-channel symmetric: the scale is applied to the [.., out] result
+            y = x @ self.qweight[...].astype(self.dtype) * self.scale[...][0].astype(self.dtype)
+        elif self.qweight is not None:
+            # dequantize on the fly, one group / tile of scales at a time
+            w = dequantize(self.qweight[...], self.scale[...], None if self.zero is None else self.zero[...],
+                           self.qblock, self.dtype)
+            y = x @ w
         else:
             y = x @ self.kernel[...].astype(self.dtype)
         if self.lora_a is not None:

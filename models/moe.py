@@ -33,7 +33,7 @@ import numpy as np
 from flax import nnx
 
 from models.decoder import MLP
-from models.layers import INIT_STD, Buffer, param
+from models.layers import INIT_STD, Buffer, dequantize, param
 
 # ------------------------------------------------------------------------------------------------
 # Routers
@@ -212,6 +212,11 @@ class Experts(nnx.Module):
     every impl (the grouped impls run the two factors as two more grouped matmuls: no [E, D, 2I] delta).
     LoRA dropout draws its masks per routed row in the grouped impls and per (expert, token) in the dense
     one, so grouped == dense holds with dropout off (`eval()`).
+
+    Quantized (models/quant.py): gate_up / down are None and each has codes `<w>_q` QuantWeight [E, in, out],
+    scales `<w>_scale` QuantScale [E, G, out] (or FP8 tiles [E, in/128, out/128] with `qblock`) and, for
+    asymmetric schemes, `<w>_zero` QuantZero [E, G, out]: every expert quantized on its own; the forward
+    dequantizes them on the fly.
     """
 
     def __init__(
@@ -239,6 +244,12 @@ class Experts(nnx.Module):
         self.lora_dropout = nnx.data(None)
         self.lora_scale = 0.0  # alpha / r
         self.lora_rank, self.lora_alpha = 0, 0.0
+        for w in ("gate_up", "down"):
+            for part in ("q", "scale", "zero"):
+                setattr(self, f"{w}_{part}", nnx.data(None))
+        self.qblock: int | None = None
+        self.qbits = 0
+        self.calibrating = False  # models/quant.py: sow the routed rows for per-expert calibration
 
     # -- LoRA ------------------------------------------------------------------------------------
 
@@ -248,6 +259,8 @@ class Experts(nnx.Module):
         if self.gate_up_lora_a is not None:
             raise ValueError("LoRA is already applied; merge_lora first")
         E, D, I, r = self.num_experts, self.hidden_size, self.intermediate_size, rank
+        if self.gate_up is None:
+            raise ValueError("cannot add LoRA to quantized experts")
         dtype = self.gate_up[...].dtype
         k1, k2 = jax.random.split(key)
         b1, b2 = 1.0 / np.sqrt(D), 1.0 / np.sqrt(I)
@@ -260,9 +273,31 @@ class Experts(nnx.Module):
         self.lora_dropout = nnx.Dropout(dropout, rngs=dropout_rngs) if dropout > 0 else None
         self.lora_scale, self.lora_rank, self.lora_alpha = float(alpha) / rank, rank, float(alpha)
 
+    @property
+    def quantized(self) -> bool:
+        return self.gate_up_q is not None
+
+    def base_weights(self, dtype: Any = None) -> tuple[jax.Array, jax.Array]:
+        """(gate_up [E, D, 2I], down [E, I, D]) without LoRA: the params, or the codes dequantized."""
+        if not self.quantized:
+            gu, down = self.gate_up[...], self.down[...]
+            return (gu, down) if dtype is None else (gu.astype(dtype), down.astype(dtype))
+
+        def deq(w: str) -> jax.Array:
+            q, s, z = (getattr(self, f"{w}_{p}") for p in ("q", "scale", "zero"))
+            q, s, z = q[...], s[...], None if z is None else z[...]
+            if self.qblock is not None and w == "gate_up":  # FP8 tiles are per projection: gate's, then up's
+                I, st = self.intermediate_size, s.shape[-1] // 2
+                return jnp.concatenate([dequantize(q[..., :I], s[..., :st], None, self.qblock, dtype or jnp.float32),
+                                        dequantize(q[..., I:], s[..., st:], None, self.qblock, dtype or jnp.float32)],
+                                       axis=-1)
+            return dequantize(q, s, z, self.qblock, dtype or jnp.float32)
+
+        return deq("gate_up"), deq("down")
+
     def weights(self) -> tuple[jax.Array, jax.Array]:
         """The effective (gate_up [E, D, 2I], down [E, I, D]) with LoRA folded in."""
-        gu, down = self.gate_up[...], self.down[...]
+        gu, down = self.base_weights()
         if self.gate_up_lora_a is not None:
             s = self.lora_scale
             gu = gu + (s * jnp.einsum("edr,erf->edf", self.gate_up_lora_a[...], self.gate_up_lora_b[...])
@@ -273,6 +308,8 @@ class Experts(nnx.Module):
 
     def merge_lora(self) -> None:
         """Fold the adapters into gate_up / down and drop the factors."""
+        if self.quantized:
+            raise ValueError("cannot merge LoRA into quantized experts; merge before quantizing")
         gu, down = self.weights()
         self.gate_up[...], self.down[...] = gu, down
         self.gate_up_lora_a = self.gate_up_lora_b = self.down_lora_a = self.down_lora_b = None
@@ -313,14 +350,20 @@ class Experts(nnx.Module):
             t = grouped_matmul(self._lora_in(h), a[...], sizes, impl=impl)  # [R, r]
             return grouped_matmul(t, b[...], sizes, impl=impl) * jnp.asarray(self.lora_scale, h.dtype)
 
+        w_gu, w_down = self.base_weights(self.dtype)  # dequantized on the fly when quantized
         xs = x[token]  # [R, D]
-        gu = grouped_matmul(xs, self.gate_up[...], sizes, impl=impl)  # [R, 2I]
+        if self.calibrating:
+            self.sow(nnx.Intermediate, "calib_rows", (token, expert))
+            self.sow(nnx.Intermediate, "calib_gate_up", xs)
+        gu = grouped_matmul(xs, w_gu, sizes, impl=impl)  # [R, 2I]
         if lora:
             gu = gu + lora_delta(xs, self.gate_up_lora_a, self.gate_up_lora_b)
         if self.gate_up_bias is not None:
             gu = gu + self.gate_up_bias[...].astype(self.dtype)[expert]
         h = self.act(gu)  # [R, I]
-        y = grouped_matmul(h, self.down[...], sizes, impl=impl)  # [R, D]
+        if self.calibrating:
+            self.sow(nnx.Intermediate, "calib_down", h)
+        y = grouped_matmul(h, w_down, sizes, impl=impl)  # [R, D]
         if lora:
             y = y + lora_delta(h, self.down_lora_a, self.down_lora_b)
         if self.down_bias is not None:
@@ -333,14 +376,15 @@ class Experts(nnx.Module):
         x = x.astype(self.dtype)
         lora = self.gate_up_lora_a is not None
         scale = jnp.asarray(self.lora_scale, self.dtype)
-        gu = jnp.einsum("td,edf->etf", x, self.gate_up[...].astype(self.dtype))  # [E, T, 2I]
+        w_gu, w_down = self.base_weights(self.dtype)
+        gu = jnp.einsum("td,edf->etf", x, w_gu)  # [E, T, 2I]
         if lora:
             t = jnp.einsum("td,edr->etr", self._lora_in(x), self.gate_up_lora_a[...].astype(self.dtype))  # [E, T, r]
             gu = gu + jnp.einsum("etr,erf->etf", t, self.gate_up_lora_b[...].astype(self.dtype)) * scale
         if self.gate_up_bias is not None:
             gu = gu + self.gate_up_bias[...].astype(self.dtype)[:, None, :]
         h = self.act(gu)  # [E, T, I]
-        y = jnp.einsum("eti,eid->etd", h, self.down[...].astype(self.dtype))  # [E, T, D]
+        y = jnp.einsum("eti,eid->etd", h, w_down)  # [E, T, D]
         if lora:
             t = jnp.einsum("eti,eir->etr", self._lora_in(h), self.down_lora_a[...].astype(self.dtype))  # [E, T, r]
             y = y + jnp.einsum("etr,erd->etd", t, self.down_lora_b[...].astype(self.dtype)) * scale

@@ -1,69 +1,177 @@
-"""Stage `quantize`: post-training weight quantization of the fine-tuned model, in formats serving
-engines load.
+"""Stage `quantize`: post-training weight quantization of the fine-tuned model, calibrated on the
+release's own data, written in the formats serving engines load.
 
-    python -m tasks.quantize --model DIR --out DIR [--set schemes=[int8]]
+    python -m tasks.quantize --model DIR --data DIR --out DIR [--set schemes=[int8,w4a16-gptq]]
 
-`int8`: weight-only, symmetric, per output channel (scale = amax / 127) on every decoder linear
-layer; embeddings, norms and the LM head stay in float (compressed-tensors `W8A16`, `ignore:
-[lm_head]`). The quantized forward dequantizes on the fly in JAX (models/quant.py). Each scheme is
-written as an HF checkpoint in the compressed-tensors `pack-quantized` layout under `<scheme>/`,
-which vLLM and transformers (with compressed-tensors installed) load.
-Issue #6 adds GPTQ/AWQ int4 and FP8 block formats behind the same stage.
+Each scheme (models/quant.py: int8, w4a16/w8a16 by RTN / GPTQ / AWQ, symmetric or asymmetric, any group
+size; fp8-block) quantizes a fresh copy of the model, calibrated on `calibration.samples` packed rows of
+the data artifact's train split — the fine-tuning data, rendered with the chat template by data_prep
+(speculative-and-quantization-formats.md §B7: SFT models are calibrated on their own template). Every
+scheme is written as an HF checkpoint under `<scheme>/`: compressed-tensors `pack-quantized` (int) or
+`float-quantized` (FP8 blocks) with the `quantization_config` transformers and vLLM read; fp8-block also
+in DeepSeek's own layout (`weight_scale_inv`) under `<scheme>/deepseek/`. Next to the weights:
+`quantization_report.json` (per module: method, calibration tokens, relative weight and output error;
+AWQ folds; bytes; seconds) and `quant_error.svg` (the per-layer error plot that ships in the bundle).
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 import shutil
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 import models
 from models import quant
 from tasks.cli import PATH, stage_main
 from tasks.finetune import model_dir
 from tasks.stage import StageContext
+from tasks.train import PackedBatches
 
 log = logging.getLogger("forgeline.quantize")
 
-SCHEMES = {"int8": quant.quantize_int8}
+
+class CalibrationConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    samples: int = Field(64, ge=1)  # packed rows of the train split (capped at the rows there are)
+    batch_size: int = Field(8, ge=1)
+    min_tokens: int = Field(2048, ge=1)  # fewer real (non-padding) calibration tokens is an error
+    seed: int = 0
 
 
 class QuantizeConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    schemes: tuple[Literal["int8"], ...] = ("int8",)
+    schemes: tuple[str, ...] = ("int8", "w4a16-gptq")
+    ignore: tuple[str, ...] = ()  # more modules left in float: HF names or "re:" regexes (lm_head always is)
+    calibration: CalibrationConfig = CalibrationConfig()
+    dampening_frac: float = Field(0.01, gt=0)  # GPTQ: added to H's diagonal, x mean(diag H)
+    expert_min_tokens: int = Field(16, ge=0)  # an expert with fewer routed tokens uses its layer's pooled stats
+    awq_grid: int = Field(20, ge=2)
+
+    @field_validator("schemes")
+    @classmethod
+    def _known(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        for name in v:
+            quant.parse_scheme(name)
+        if len(set(v)) != len(v):
+            raise ValueError(f"schemes {list(v)} repeat a scheme")
+        return v
 
 
-def quantize(cfg: QuantizeConfig, model_path: Path, out_dir: Path) -> dict[str, Any]:
+def calibration_batches(data_dir: Path, cfg: CalibrationConfig) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(input_ids, segment_ids) batches of the train split's packed rows; clear errors when there is too little."""
+    try:
+        rows = PackedBatches(data_dir, "train", cfg.batch_size, seed=cfg.seed, shuffle=True)
+    except ValueError as e:
+        raise ValueError(f"quantize.calibration: {e}") from None
+    n = min(cfg.samples, rows.total)  # never repeat rows to reach `samples`
+    out = []
+    for step in range(math.ceil(n / cfg.batch_size)):
+        b = rows.batch(step, 0, min(cfg.batch_size, n - step * cfg.batch_size))
+        out.append((b["input_ids"], b["segment_ids"]))
+    tokens = quant.calibration_tokens(out)
+    if tokens < cfg.min_tokens:
+        raise ValueError(f"quantize.calibration: {data_dir} has {tokens} calibration tokens in {n} train rows, "
+                         f"fewer than calibration.min_tokens = {cfg.min_tokens}; add data or lower min_tokens")
+    return out
+
+
+def disk_bytes(model: Any, scheme: quant.Scheme) -> dict[str, int]:
+    """Bytes the quantized modules take on disk (codes, scales, zero points) vs the same weights in bf16."""
+    _, tensors = quant.to_compressed_tensors(model, scheme)
+    quantized = sum(t.nbytes for n, t in tensors.items() if not n.endswith(".bias"))
+    bf16 = sum(2 * int(np.prod(qm.q.shape)) for _, qm, _ in quant.iter_qmatrices(model))
+    return {"quantized_weight_bytes": quantized, "bf16_weight_bytes": bf16}
+
+
+def error_plot_svg(rows: list[dict[str, Any]], title: str) -> str:
+    """A bar chart of every module's relative output error (weight error where uncalibrated), log scale,
+    in model order: what `quant_error.svg` shows. Plain SVG: no plotting dependency."""
+    vals = [(r["module"].replace("model.layers.", "L"), r.get("output_error", r["weight_error"])) for r in rows]
+    W, H, left, top, bottom = max(640, 14 * len(vals) + 80), 360, 60, 30, 120
+    logs = [math.log10(max(v, 1e-8)) for _, v in vals]
+    lo = math.floor(min(logs))
+    hi = max(math.ceil(max(logs)), lo + 1)
+    plot_h = H - top - bottom
+    bw = (W - left - 20) / max(len(vals), 1)
+    y = lambda lv: top + plot_h * (hi - lv) / (hi - lo)  # noqa: E731
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" font-family="sans-serif" '
+             'font-size="10">',
+             f'<text x="{left}" y="18" font-size="13">{title}</text>']
+    for d in range(lo, hi + 1):
+        parts.append(f'<line x1="{left}" x2="{W - 20}" y1="{y(d):.1f}" y2="{y(d):.1f}" stroke="#ddd"/>'
+                     f'<text x="{left - 6}" y="{y(d) + 3:.1f}" text-anchor="end">1e{d}</text>')
+    for k, ((name, _), lv) in enumerate(zip(vals, logs, strict=True)):
+        x = left + k * bw
+        colour = "#c44" if "fallback" in rows[k] else "#47a"
+        parts.append(f'<rect x="{x + 1:.1f}" y="{y(lv):.1f}" width="{max(bw - 2, 1):.1f}" '
+                     f'height="{max(top + plot_h - y(lv), 0):.1f}" fill="{colour}"><title>{name}: {10 ** lv:.3g} '
+                     f'({rows[k]["method"]})</title></rect>')
+        parts.append(f'<text transform="translate({x + bw / 2 + 3:.1f},{top + plot_h + 6}) rotate(60)">{name}</text>')
+    parts.append(f'<text x="12" y="{top + plot_h / 2}" transform="rotate(-90 12 {top + plot_h / 2})" '
+                 'text-anchor="middle">relative output error</text></svg>')
+    return "\n".join(parts) + "\n"
+
+
+def quantize(cfg: QuantizeConfig, model_path: Path, data_dir: Path, out_dir: Path) -> dict[str, Any]:
+    batches = calibration_batches(data_dir, cfg.calibration)
+    opts = quant.Options(dampening_frac=cfg.dampening_frac, expert_min_tokens=cfg.expert_min_tokens,
+                         awq_grid=cfg.awq_grid)
     stats: dict[str, Any] = {}
-    for scheme in cfg.schemes:
+    for name in cfg.schemes:
+        scheme = quant.parse_scheme(name)
         model = models.from_pretrained(str(model_path))
         float_bytes = quant.weight_bytes(model)
-        qmodel = SCHEMES[scheme](model)
-        dest = out_dir / scheme
-        models.save_pretrained(qmodel, str(dest))
-        for name in ("tokenizer.json", "special_tokens.json", "tokenizer_config.json"):
-            if (model_path / name).exists():
-                shutil.copyfile(model_path / name, dest / name)
-        stats[scheme] = {"weight_bytes": quant.weight_bytes(qmodel), "float_weight_bytes": float_bytes}
-        log.info("quantize: %s weights %.2f MB -> %.2f MB", scheme, float_bytes / 1e6,
-                 stats[scheme]["weight_bytes"] / 1e6)
+        report = quant.quantize_model(model, scheme, batches, ignore=cfg.ignore, opts=opts)
+        dest = out_dir / name
+        models.save_pretrained(model, str(dest))
+        if scheme.kind == "fp8-block":
+            models.save_pretrained(model, str(dest / "deepseek"), layout="deepseek-fp8")
+        for fn in ("tokenizer.json", "special_tokens.json", "tokenizer_config.json"):
+            if (model_path / fn).exists():
+                shutil.copyfile(model_path / fn, dest / fn)
+                if scheme.kind == "fp8-block":
+                    shutil.copyfile(model_path / fn, dest / "deepseek" / fn)
+        sizes = disk_bytes(model, scheme)
+        errors = [r.get("output_error", r["weight_error"]) for r in report["modules"]]
+        summary = {
+            "seconds": round(report["seconds"], 3),
+            "calibration_tokens": report["calibration_tokens"],
+            **sizes,
+            "weight_bytes_ratio_vs_bf16": sizes["quantized_weight_bytes"] / sizes["bf16_weight_bytes"],
+            "float_model_bytes": float_bytes,
+            "mean_output_error": float(np.mean(errors)),
+            "max_output_error": float(np.max(errors)),
+            "fallbacks": sum("fallback" in r for r in report["modules"]),
+        }
+        (dest / "quantization_report.json").write_text(json.dumps({**summary, **report}, indent=1))
+        plot = error_plot_svg(report["modules"], f"{name}: per-module quantization error")
+        (dest / "quant_error.svg").write_text(plot)
+        stats[name] = summary
+        log.info("quantize: %s in %.1fs, %d modules, mean output error %.2e, %.3fx bf16 bytes", name,
+                 report["seconds"], len(report["modules"]), summary["mean_output_error"],
+                 summary["weight_bytes_ratio_vs_bf16"])
     return stats
 
 
 def compute(cfg: QuantizeConfig):
     def _compute(ctx: StageContext) -> dict[str, Any]:
-        return quantize(cfg, model_dir(ctx.inputs["model"]), ctx.out_dir)
+        return quantize(cfg, model_dir(ctx.inputs["model"]), ctx.inputs["data"], ctx.out_dir)
 
     return _compute
 
 
 def main(argv: list[str] | None = None) -> None:
-    stage_main(__doc__, QuantizeConfig, {"--model": PATH},
-               lambda cfg, a: quantize(cfg, model_dir(a.model), a.out), argv)
+    stage_main(__doc__, QuantizeConfig, {"--model": PATH, "--data": PATH},
+               lambda cfg, a: quantize(cfg, model_dir(a.model), a.data, a.out), argv)
+
 
 if __name__ == "__main__":
     main()

@@ -34,7 +34,9 @@ def test_default_release_meets_its_targets(tmp_path):
     report = json.loads(storage.read_bytes(storage.join(url, "eval/report.json")))
     ppl = report["perplexity"]
     assert ppl["finetuned"] < 0.9 * ppl["base"], ppl  # clearly below, not by noise
-    assert ppl["int8"] <= 1.01 * ppl["finetuned"], ppl
+    assert ppl["int8"] <= 1.005 * ppl["finetuned"], ppl  # issue #6's aims: int8 <= +0.5%, int4 GPTQ <= +2%
+    assert ppl["w4a16-gptq-g64"] <= 1.02 * ppl["finetuned"], ppl
+    assert report["quantization"]["w4a16-gptq-g64"]["weight_bytes_ratio_vs_bf16"] <= 0.30, report["quantization"]
     draft = report["draft"]
     # the EAGLE-3 draft on held-out prompts, k=5, greedy: lossless and τ >= 3.0 (issue #5's target)
     assert draft["lossless"] and draft["acceptance_length"] >= 3.0 and draft["speedup"] > 0, draft

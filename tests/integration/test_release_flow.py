@@ -22,7 +22,10 @@ BUNDLE_FILES = [
     "adapter/adapter_config.json",
     "adapter/adapter_model.safetensors", "draft/sglang/config.json", "draft/sglang/model.safetensors",
     "draft/speculators/config.json", "draft/speculators/model.safetensors", "draft/draft_config.json",
-    "quantized/int8/config.json", "eval/report.json", "eval/report.md", "README.md", "lineage.json",
+    "quantized/int8/config.json", "quantized/w4a16-gptq-g64/config.json",
+    "quantized/w4a16-gptq-g64/model.safetensors", "quantized/w4a16-gptq-g64/quant_error.svg",
+    "quantized/w4a16-gptq-g64/quantization_report.json", "quantized/w4a16-gptq-g64/tokenizer.json",
+    "eval/report.json", "eval/report.md", "README.md", "lineage.json",
     "manifest.json",
 ]
 
@@ -73,11 +76,22 @@ def test_report_schema_and_gates(released):
     _, url, _ = released
     report = json.loads(storage.read_bytes(storage.join(url, "eval/report.json")))
     ppl = report["perplexity"]
-    assert set(ppl) == {"base", "finetuned", "int8"}
+    assert set(ppl) == {"base", "finetuned", "int8", "w4a16-gptq-g64"}
     assert ppl["finetuned"] < ppl["base"]
     assert abs(ppl["int8"] / ppl["finetuned"] - 1) < 0.01
-    q = report["quantization"]["int8"]
-    assert q["kl"] >= 0 and 0.9 <= q["top1_agreement"] <= 1 and q["weight_bytes_ratio"] < 1
+    for scheme, bytes_ratio in (("int8", 0.55), ("w4a16-gptq-g64", 0.30)):
+        q = report["quantization"][scheme]
+        assert q["perplexity"] == ppl[scheme] and q["perplexity_increase"] == ppl[scheme] / ppl["finetuned"] - 1
+        assert q["kl"] >= 0 and 0.9 <= q["top1_agreement"] <= 1
+        assert q["weight_bytes_ratio_vs_bf16"] < bytes_ratio and q["quantize_seconds"] > 0
+        assert q["calibration_tokens"] >= 2048  # calibration.min_tokens
+    # the int4 variant is compressed-tensors W4A16 (groups of 64), as transformers and vLLM read it
+    config = json.loads(storage.read_bytes(storage.join(url, "quantized/w4a16-gptq-g64/config.json")))
+    qc = config["quantization_config"]
+    w = qc["config_groups"]["group_0"]["weights"]
+    assert qc["format"] == "pack-quantized" and (w["num_bits"], w["group_size"], w["strategy"]) == (4, 64, "group")
+    made = json.loads(storage.read_bytes(storage.join(url, "quantized/w4a16-gptq-g64/quantization_report.json")))
+    assert {r["method"] for r in made["modules"]} == {"gptq"} and len(made["modules"]) == 2 * 7
     d = report["draft"]
     assert d["lossless"] is True and 1 <= d["acceptance_length"] <= d["draft_tokens"] + 1 and d["speedup"] > 0
     assert d["target"] == "int8"  # TINY_RELEASE serves the int8 variant: the draft is measured against it

@@ -1,7 +1,7 @@
 """PEFT adapters and compressed-tensors int8 checkpoints checked against the reference libraries.
 
 * our `save_peft_adapter` output loads with `peft.PeftModel.from_pretrained` and gives our logits;
-* our `int8_to_compressed_tensors` tensors decompress with compressed-tensors'
+* our `to_compressed_tensors` int8 tensors decompress with compressed-tensors'
   PackedQuantizationCompressor (and `unpack_from_int32` + `dequantize`) to exactly our weights
   (speculative-and-quantization-formats.md §B2), and transformers loads our int8 checkpoint.
 """
@@ -26,13 +26,12 @@ from parity_helpers import hf_logits, rel_err
 from models import (
     apply_lora,
     from_pretrained,
-    int8_to_compressed_tensors,
     quantize_int8,
     save_peft_adapter,
     save_pretrained,
 )
 from models.lora import lora_linears
-from models.quant import quantizable_linears
+from models.quant import Linear, quant_units, scheme_of, to_compressed_tensors
 
 pytestmark = pytest.mark.parity
 IDS = np.random.default_rng(0).integers(0, 128, (2, 16)).astype(np.int32)
@@ -59,14 +58,13 @@ def test_peft_loads_our_adapter(hf_checkpoint, tmp_path):
 def test_compressed_tensors_decompresses_to_our_weights(hf_checkpoint):
     _, path = hf_checkpoint("llama")
     model = quantize_int8(from_pretrained(path))
-    qconfig, tensors = int8_to_compressed_tensors(model)
+    qconfig, tensors = to_compressed_tensors(model, scheme_of(model))
     QuantizationConfig.model_validate(qconfig)  # the library accepts our config.json block
     group = qconfig["config_groups"]["group_0"]
     scheme = QuantizationScheme(targets=group["targets"], weights=group["weights"])
-    linears = list(quantizable_linears(model))
+    linears = [(u.name, u.module) for u in quant_units(model) if isinstance(u.module, Linear)]
     assert len(linears) == 2 * 7
-    for path_, lin in linears:
-        name = "model." + ".".join(map(str, path_))
+    for name, lin in linears:
         packed, scale = tensors[f"{name}.weight_packed"], tensors[f"{name}.weight_scale"]
         shape = tensors[f"{name}.weight_shape"]
         out_f, in_f = lin.out_features, lin.in_features
@@ -93,7 +91,7 @@ def test_transformers_loads_our_int8_checkpoint(hf_checkpoint, tmp_path):
     model = quantize_int8(from_pretrained(path))
     save_pretrained(model, str(tmp_path / "w8a16"))
     config = json.loads((tmp_path / "w8a16" / "config.json").read_text())
-    assert config["quantization_config"]["ignore"] == ["lm_head"]
+    assert config["quantization_config"]["ignore"] == ["lm_head", r"re:.*mlp\.gate$", r"re:.*mlp\.router$"]
     # transformers' compressed-tensors integration decompresses on load
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "w8a16")).eval()
     assert rel_err(model(jnp.asarray(IDS)), hf_logits(reloaded, IDS)) <= 1e-4

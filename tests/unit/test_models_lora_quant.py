@@ -21,7 +21,7 @@ from models import (
     weight_bytes,
 )
 from models.lora import lora_linears
-from models.quant import pack_int8, unpack_int8
+from models.quant import pack, unpack
 
 pytestmark = pytest.mark.unit
 jax.config.update("jax_default_matmul_precision", "highest")
@@ -94,11 +94,20 @@ def test_peft_tensor_layout():
 
 def test_pack_unpack_round_trip_and_bit_layout():
     q = np.random.default_rng(0).integers(-128, 128, (5, 10)).astype(np.int8)
-    packed = pack_int8(q)
+    packed = pack(q, 8)
     assert packed.shape == (5, 3) and packed.dtype == np.int32
-    np.testing.assert_array_equal(unpack_int8(packed, (5, 10)), q)
+    np.testing.assert_array_equal(unpack(packed, 8, (5, 10)), q)
     word = packed[0, 0].astype(np.int64) & 0xFFFFFFFF
     assert [(word >> (8 * i)) & 0xFF for i in range(4)] == [int(v) + 128 for v in q[0, :4]]
+    q4 = np.random.default_rng(1).integers(-8, 8, (6, 19)).astype(np.int8)  # int4: 8 per word, last one padded
+    packed = pack(q4, 4)
+    assert packed.shape == (6, 3)
+    np.testing.assert_array_equal(unpack(packed, 4, (6, 19)), q4)
+    word = packed[1, 1].astype(np.int64) & 0xFFFFFFFF
+    assert [(word >> (4 * i)) & 0xF for i in range(8)] == [int(v) + 8 for v in q4[1, 8:16]]
+    zp = pack(q4, 4, axis=0)  # zero points are packed along the output dim
+    assert zp.shape == (1, 19)
+    np.testing.assert_array_equal(unpack(zp, 4, (6, 19), axis=0), q4)
 
 
 def test_int8_forward_close_to_float_and_smaller(tmp_path):
@@ -107,7 +116,7 @@ def test_int8_forward_close_to_float_and_smaller(tmp_path):
     float_bytes = weight_bytes(model, linears_only=True)
     quantize_int8(model)
     lin = model.layers[0].mlp.up_proj
-    assert lin.kernel is None and lin.qweight[...].dtype == jnp.int8 and lin.scale[...].shape == (128,)
+    assert lin.kernel is None and lin.qweight[...].dtype == jnp.int8 and lin.scale[...].shape == (1, 128)
     assert model.lm_head.qweight is None and model.lm_head.kernel is not None
     assert weight_bytes(model, linears_only=True) / float_bytes < 0.3
     assert weight_bytes(model) < weight_bytes(make())

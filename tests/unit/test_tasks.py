@@ -173,7 +173,7 @@ def test_pack_masks_prompt_and_restarts_positions():
 # -- gates and export ------------------------------------------------------------------------------
 
 
-def _report(ft=10.0, q=10.05, lossless=True, acc=2.0):
+def _report(ft=10.0, q=10.04, lossless=True, acc=2.0):
     return {"perplexity": {"base": 12.0, "finetuned": ft, "int8": q},
             "quantization": {"int8": {}},
             "draft": {"lossless": lossless, "mismatched_rows": 0 if lossless else 1, "acceptance_length": acc}}
@@ -183,6 +183,20 @@ def test_gates():
     assert all(g["passed"] for g in gates(_report(), Gates()))
     failed = {g["gate"] for g in gates(_report(q=13.5, lossless=False, acc=1.0, ft=13.0), Gates()) if not g["passed"]}
     assert len(failed) == 4
+
+
+def test_quant_gates_per_scheme():
+    """Limits by scheme name, then by family (the name's first part); a scheme without a limit is an error."""
+    report = {"perplexity": {"finetuned": 10.0, "int8": 10.08, "w4a16-gptq-g64": 10.15, "fp8-block": 10.02},
+              "quantization": {"int8": {}, "w4a16-gptq-g64": {}, "fp8-block": {}}}
+    passed = {g["gate"].split()[0]: g["passed"] for g in gates(report, Gates())}
+    assert passed == {"int8": False, "w4a16-gptq-g64": True, "fp8-block": True}  # 0.5% / 2% / 0.3%
+    loose = Gates(max_quant_ppl_increase={"int8": 0.01, "w4a16-gptq-g64": 0.01, "fp8": 0.003})
+    passed = {g["gate"].split()[0]: g["passed"] for g in gates(report, loose)}
+    assert passed == {"int8": True, "w4a16-gptq-g64": False, "fp8-block": True}
+    assert all(g["passed"] for g in gates(report, Gates(max_quant_ppl_increase=0.02)))
+    with pytest.raises(ValueError, match="no limit for scheme 'w4a16-gptq-g64'"):
+        gates(report, Gates(max_quant_ppl_increase={"int8": 0.01}))
 
 
 def test_export_refuses_failed_gates(tmp_path):
