@@ -65,7 +65,8 @@ def model_card(cfg: ExportConfig, report_md: str, lineage: dict[str, Any], has_a
     spec_cfg = json.dumps({"model": "draft/speculators", "num_speculative_tokens": draft_k})
     lines.append(f"| `draft/speculators/` | the same draft in vLLM's speculators layout "
                  f"(`vllm serve {target} --speculative-config '{spec_cfg}'`) |")
-    lines += [f"| `quantized/{s}/` | compressed-tensors checkpoint (`LLM('quantized/{s}')` in vLLM) |" for s in schemes]
+    lines += [f"| `quantized/{s}/` | compressed-tensors checkpoint (`LLM('quantized/{s}')` in vLLM); per-layer error "
+              f"plot `quant_error.svg`, details `quantization_report.json` |" for s in schemes]
     lines += ["| `eval/` | report.json, report.md |", "| `lineage.json` | what produced every file |", ""]
     lines += [report_md.replace("# Evaluation report", "## Evaluation").strip(), "",
               "## Lineage", "", f"- git SHA: `{lineage['git_sha']}`", f"- code version: `{lineage['code_version']}`"]

@@ -95,18 +95,18 @@ def error_plot_svg(rows: list[dict[str, Any]], title: str) -> str:
     """A bar chart of every module's relative output error (weight error where uncalibrated), log scale,
     in model order: what `quant_error.svg` shows. Plain SVG: no plotting dependency."""
     vals = [(r["module"].replace("model.layers.", "L"), r.get("output_error", r["weight_error"])) for r in rows]
-    W, H, left, top, bottom = max(640, 14 * len(vals) + 80), 360, 60, 30, 120
+    W, H, left, top, bottom, right = max(640, 14 * len(vals) + 140), 360, 60, 30, 120, 70
     logs = [math.log10(max(v, 1e-8)) for _, v in vals]
     lo = math.floor(min(logs))
     hi = max(math.ceil(max(logs)), lo + 1)
     plot_h = H - top - bottom
-    bw = (W - left - 20) / max(len(vals), 1)
+    bw = (W - left - right) / max(len(vals), 1)
     y = lambda lv: top + plot_h * (hi - lv) / (hi - lo)  # noqa: E731
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{H}" font-family="sans-serif" '
              'font-size="10">',
              f'<text x="{left}" y="18" font-size="13">{title}</text>']
     for d in range(lo, hi + 1):
-        parts.append(f'<line x1="{left}" x2="{W - 20}" y1="{y(d):.1f}" y2="{y(d):.1f}" stroke="#ddd"/>'
+        parts.append(f'<line x1="{left}" x2="{W - right}" y1="{y(d):.1f}" y2="{y(d):.1f}" stroke="#ddd"/>'
                      f'<text x="{left - 6}" y="{y(d) + 3:.1f}" text-anchor="end">1e{d}</text>')
     for k, ((name, _), lv) in enumerate(zip(vals, logs, strict=True)):
         x = left + k * bw
