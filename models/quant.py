@@ -587,11 +587,13 @@ def _quantize_unit(unit: Unit, stats: dict[str, Stats], scheme: Scheme, opts: Op
 
 def _label(name: str, how: str, st: Stats | None, scheme: Scheme, awq_folded: set[str]) -> tuple[str, str | None]:
     """(method, fallback reason or None) for the report."""
-    if scheme.method == "gptq" and how == "rtn":
-        return how, "no calibration tokens reached it: RTN"
-    if scheme.method == "awq":
-        return ("awq", None) if name in awq_folded else ("rtn", "no foldable op before it: RTN")
-    return how, None
+    if scheme.kind == "fp8-block" or scheme.method == "rtn":
+        return how, None
+    if st is None or st.n <= 0:
+        return "rtn", "no calibration tokens reached it: RTN"
+    if scheme.method == "awq" and name not in awq_folded:
+        return "rtn", "no foldable op before it: RTN"
+    return scheme.method, None
 
 
 def calibration_tokens(batches: Sequence[tuple[np.ndarray, np.ndarray]]) -> int:

@@ -1,7 +1,8 @@
 """The release flow on frontier-architecture bases: a tiny random Qwen3-MoE and a tiny DeepSeek-V3
 (MLA + sigmoid group-limited MoE + shared expert) checkpoint, built with transformers in the test
 with a BPE tokenizer trained on the standard library, go through every stage (`forgeline release
---set base.url=...`); the exported model/ loads in transformers with our logits.
+--set base.url=...`), int4 GPTQ of every expert included; the exported model/ loads in transformers
+with our logits.
 ~1 minute per architecture on 2 cores: `pytest -m slow`."""
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ def test_release_on_an_moe_base(tmp_path, arch):
     make_base(arch, base)
     store = f"file://{tmp_path}/artifacts"
     sets = [a for s in TINY_RELEASE if not s.startswith("base.") for a in ("--set", s)]
+    # int4 GPTQ in groups of 16: the narrowest widths here (moe_intermediate_size 32, kv_lora_rank 16) need it
+    sets += ["--set", "quantize.schemes=[int8,w4a16-gptq-g16]"]
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "FORGELINE_WORKDIR": str(tmp_path / "work")}
     done = subprocess.run([sys.executable, "-m", "flows.cli", "release", "--store", store,
                            "--set", f"base.url=file://{base}", *sets], env=env, capture_output=True, text=True,
@@ -64,6 +67,10 @@ def test_release_on_an_moe_base(tmp_path, arch):
     report = json.loads(storage.read_bytes(storage.join(url, "eval/report.json")))
     assert report["passed"] and report["perplexity"]["finetuned"] < report["perplexity"]["base"], report
     assert report["draft"]["lossless"], report["draft"]
+    assert report["perplexity"]["w4a16-gptq-g16"] <= 1.02 * report["perplexity"]["finetuned"], report["perplexity"]
+    made = json.loads(storage.read_bytes(storage.join(url, "quantized/w4a16-gptq-g16/quantization_report.json")))
+    experts = [r for r in made["modules"] if ".mlp.experts." in r["module"]]
+    assert experts and all(r["method"] == "gptq" for r in experts)  # every expert, on its routed tokens or pooled
     model_dir = storage.local_path(storage.join(url, "model"))
     ids = np.random.default_rng(0).integers(0, 500, (2, 24))
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
