@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -123,16 +123,29 @@ def block_rows(rows: int, num_experts: int) -> int:
     return int(min(256, max(32, 1 << int(np.ceil(np.log2(mean))))))
 
 
-def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, impl: str = "blocked") -> jax.Array:
+class ExpertWeights(NamedTuple):
+    """A quantized expert stack for grouped_matmul: `fn(e)` dequantizes expert e's [D, O] weight."""
+
+    fn: Callable[[jax.Array], jax.Array]
+    shape: tuple[int, int, int]  # [E, D, O]
+
+
+def grouped_matmul(x: jax.Array, w: jax.Array | ExpertWeights, group_sizes: jax.Array, *,
+                   impl: str = "blocked") -> jax.Array:
     """x [R, D] sorted by group, w [E, D, O], group_sizes [E] (sum R) -> [R, O]: row r of group e
     is x[r] @ w[e].
 
     "blocked": each group's rows go to their own run of `block` rows (zero-padded), the blocks run
     as a `lax.map` of [block, D] × [D, O] GEMMs, and the rows are gathered back. Cost and memory
     grow with R + E·block, not with E·R. "ragged": `jax.lax.ragged_dot`.
+    With quantized experts (`ExpertWeights`) each block dequantizes only its own expert's weight, so
+    no float copy of the whole stack is ever held (forward only: quantized codes are not trained);
+    "ragged" needs the dense stack and dequantizes it all.
     """
+    quantized = isinstance(w, ExpertWeights)
     if impl == "ragged":
-        return jax.lax.ragged_dot(x, w.astype(x.dtype), group_sizes)
+        dense = jax.lax.map(w.fn, jnp.arange(w.shape[0])) if quantized else w
+        return jax.lax.ragged_dot(x, dense.astype(x.dtype), group_sizes)
     if impl != "blocked":
         raise ValueError(f"grouped_matmul impl {impl!r} (known: blocked, ragged)")
     R, D = x.shape
@@ -146,7 +159,11 @@ def grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array, *, impl: 
     dest = (block_end - blocks_per)[gid] * block + jnp.arange(R, dtype=jnp.int32) - row_start[gid]  # [R]
     buf = jnp.zeros((nb * block, D), x.dtype).at[dest].set(x, unique_indices=True)  # [nb*block, D]
     block_expert = jnp.minimum(jnp.searchsorted(block_end, jnp.arange(nb), side="right"), E - 1)  # [nb]
-    out = block_gemm(buf.reshape(nb, block, D), w.astype(x.dtype), block_expert)  # [nb, block, O]
+    xb = buf.reshape(nb, block, D)
+    if quantized:
+        out = jax.lax.map(lambda a: a[0] @ w.fn(a[1]).astype(x.dtype), (xb, block_expert))  # [nb, block, O]
+    else:
+        out = block_gemm(xb, w.astype(x.dtype), block_expert)  # [nb, block, O]
     return out.reshape(nb * block, O)[dest]  # [R, O]
 
 
@@ -283,17 +300,26 @@ class Experts(nnx.Module):
             gu, down = self.gate_up[...], self.down[...]
             return (gu, down) if dtype is None else (gu.astype(dtype), down.astype(dtype))
 
-        def deq(w: str) -> jax.Array:
-            q, s, z = (getattr(self, f"{w}_{p}") for p in ("q", "scale", "zero"))
-            q, s, z = q[...], s[...], None if z is None else z[...]
-            if self.qblock is not None and w == "gate_up":  # FP8 tiles are per projection: gate's, then up's
-                I, st = self.intermediate_size, s.shape[-1] // 2
-                return jnp.concatenate([dequantize(q[..., :I], s[..., :st], None, self.qblock, dtype or jnp.float32),
-                                        dequantize(q[..., I:], s[..., st:], None, self.qblock, dtype or jnp.float32)],
-                                       axis=-1)
-            return dequantize(q, s, z, self.qblock, dtype or jnp.float32)
+        def deq(w: str) -> jax.Array:  # [E, in, out]
+            return jax.lax.map(self.expert_weights(w, dtype or jnp.float32).fn, jnp.arange(self.num_experts))
 
         return deq("gate_up"), deq("down")
+
+    def expert_weights(self, w: str, dtype: Any) -> ExpertWeights:
+        """The quantized stack `w` ("gate_up" | "down") for grouped_matmul, dequantized one expert at a time."""
+        q, s, z = (getattr(self, f"{w}_{p}") for p in ("q", "scale", "zero"))
+        q, s, z = q[...], s[...], None if z is None else z[...]
+        I, block = self.intermediate_size, self.qblock
+
+        def fn(e: jax.Array) -> jax.Array:  # [D, O] of expert e
+            qe, se = _expert(q, e), _expert(s, e)
+            if block is not None and w == "gate_up":  # FP8 tiles are per projection: gate's, then up's
+                st = se.shape[-1] // 2
+                return jnp.concatenate([dequantize(qe[:, :I], se[:, :st], None, block, dtype),
+                                        dequantize(qe[:, I:], se[:, st:], None, block, dtype)], axis=-1)
+            return dequantize(qe, se, None if z is None else _expert(z, e), block, dtype)
+
+        return ExpertWeights(fn, tuple(q.shape))
 
     def weights(self) -> tuple[jax.Array, jax.Array]:
         """The effective (gate_up [E, D, 2I], down [E, I, D]) with LoRA folded in."""
@@ -350,7 +376,10 @@ class Experts(nnx.Module):
             t = grouped_matmul(self._lora_in(h), a[...], sizes, impl=impl)  # [R, r]
             return grouped_matmul(t, b[...], sizes, impl=impl) * jnp.asarray(self.lora_scale, h.dtype)
 
-        w_gu, w_down = self.base_weights(self.dtype)  # dequantized on the fly when quantized
+        if self.quantized:  # dequantized on the fly, one expert per block
+            w_gu, w_down = self.expert_weights("gate_up", self.dtype), self.expert_weights("down", self.dtype)
+        else:
+            w_gu, w_down = self.base_weights(self.dtype)
         xs = x[token]  # [R, D]
         if self.calibrating:
             self.sow(nnx.Intermediate, "calib_rows", (token, expert))

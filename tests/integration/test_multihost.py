@@ -46,6 +46,8 @@ def _weights(out: Path) -> dict[str, np.ndarray]:
     return safetensors.numpy.load_file(str(next((out / "model").glob("*.safetensors"))))
 
 
+# in `pytest -m slow` (keeps the default run near 15 min on 2 cores)
+@pytest.mark.slow
 def test_two_processes_train_like_one(tiny_base, tmp_path):
     base, data = tiny_base
     port = _free_port()

@@ -138,6 +138,8 @@ def test_second_run_is_all_cache_hits(released):
     assert len(events) == 9 and not any(e.ran for e in events)
 
 
+# in `pytest -m slow` (keeps the default run near 15 min on 2 cores)
+@pytest.mark.slow
 def test_draft_refresh_promotes_only_through_its_pointer(released):
     from flows.draft_refresh import draft_refresh
 

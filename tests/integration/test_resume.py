@@ -75,6 +75,8 @@ def _tensors(out: Path) -> dict[str, np.ndarray]:
     return found
 
 
+# in `pytest -m slow` (keeps the default run near 15 min on 2 cores)
+@pytest.mark.slow
 def test_sigkill_then_resume_is_bit_identical(tiny_base, tmp_path):
     base, data = tiny_base
     ref = subprocess.run(_cmd(base, data, tmp_path / "ref", tmp_path / "ref-ckpt", f"file://{tmp_path}/ref-store"),

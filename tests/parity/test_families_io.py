@@ -120,6 +120,8 @@ CHILD = textwrap.dedent("""
 """)
 
 
+# in `pytest -m slow` (keeps the default run near 15 min on 2 cores)
+@pytest.mark.slow
 def test_forward_on_8_fake_devices_equals_single_device(checkpoints):
     paths = {arch: path for arch, (_, path) in checkpoints.items()}
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "PYTHONPATH": REPO}

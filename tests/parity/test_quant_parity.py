@@ -227,7 +227,7 @@ def test_fp8_block_compressed_tensors_and_deepseek_layouts(float_checkpoint, tmp
 # ------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", pytest.param("deepseek_v3", marks=pytest.mark.slow)])
 def test_moe_w4a16_gptq_per_expert(float_checkpoint, tmp_path, arch):
     """Experts are quantized and written one by one (transformers merges and dequantizes them on load);
     asymmetric experts would not load (transformers' expert path never reads zero points), so symmetric."""

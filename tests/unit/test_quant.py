@@ -113,7 +113,8 @@ def test_experts_are_calibrated_on_their_routed_tokens():
 # -- AWQ folding is exact in float -------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("make", [llama, lambda: family(qwen3_moe), lambda: family(deepseek_v3)],
+@pytest.mark.parametrize("make", [llama, lambda: family(qwen3_moe),
+                                  pytest.param(lambda: family(deepseek_v3), marks=pytest.mark.slow)],
                          ids=["llama", "qwen3_moe", "deepseek_v3"])
 def test_awq_folds_leave_the_float_model_unchanged(make):
     """The scales go into the norms, routers and up projections with their inverse in the weights: before
@@ -269,6 +270,7 @@ def test_stage_cli_fails_cleanly(tmp_path, capsys):
     assert not out.exists() or not any(out.iterdir())
 
 
+@pytest.mark.slow  # the default run covers spec decoding on a quantized target in the release flow (serve=int8)
 def test_speculative_decoding_against_a_quantized_target():
     """Greedy speculative decoding is exact against an int4 target: DeepSeek-V3 quantized by GPTQ (its MTP
     layer, which the main stack never runs, by RTN and reported so) drafting with its own quantized MTP head."""
