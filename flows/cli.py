@@ -75,7 +75,39 @@ def _preflight(recipe: str, overrides: list[str]):
                 storage.list_files(url)
             except (FileNotFoundError, storage.StorageKeyError):
                 _fail(f"{field}: no such file or folder: {url}")
+    try:
+        _check_quantize(cfg)
+    except ValueError as e:
+        _fail(f"quantize: {e}", 2)
     return cfg
+
+
+def _check_quantize(cfg) -> None:
+    """The quantize schemes against the base's layer widths (from the recipe, or base.url's config.json),
+    on an abstract model: a group size that does not fit fails now, not after fine-tuning."""
+    import json
+
+    from flax import nnx
+
+    import storage
+    from models import registry
+    from tasks.base import shape_config
+    from tasks.quantize import check_fits
+
+    if cfg.base.url is None:
+        config, model_cls = shape_config(cfg.base.model, vocab_size=8), registry.family(cfg.base.model.architecture)[1]
+    else:
+        source = storage.join(cfg.base.url, "config.json")
+        try:
+            raw = json.loads(storage.read_bytes(source))
+        except (FileNotFoundError, storage.StorageKeyError, ValueError):
+            return  # the base stage reports a missing or broken config.json with its own error
+        try:
+            config_cls, model_cls = registry.resolve(raw, source)
+            config = config_cls.from_hf(raw)
+        except (ValueError, TypeError, KeyError):
+            return  # likewise an unsupported or malformed config
+    check_fits(cfg.quantize, nnx.eval_shape(lambda: model_cls(config, rngs=nnx.Rngs(0))))
 
 
 SHOWN = ("tokens.train", "rows.train", "params", "valid_loss_before", "valid_loss_after", "tokens_per_s",

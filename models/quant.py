@@ -179,6 +179,14 @@ def check_divisible(units: Sequence[Unit], scheme: Scheme) -> None:
                                  f"the layer to quantize.ignore")
 
 
+def check_supported(units: Sequence[Unit], scheme: Scheme) -> None:
+    """check_divisible, and no GPT-OSS fused experts (they have no compressed-tensors layout)."""
+    check_divisible(units, scheme)
+    if gpt_oss := [u.name for u in units if isinstance(u.module, Experts) and u.module.hf_layout == "gpt_oss"]:
+        raise ValueError(f"{gpt_oss[0]}: GPT-OSS's fused experts have no compressed-tensors layout (the model "
+                         "ships them in MXFP4); add 're:.*mlp\\.experts' to quantize.ignore")
+
+
 # ------------------------------------------------------------------------------------------------
 # Quantized state: set from HF-oriented [out, in] codes; transposed to the kernels' [in, out]
 # ------------------------------------------------------------------------------------------------
@@ -437,23 +445,20 @@ def awq_layer(layer: nnx.Module, i: int, stats: dict[str, Stats], units: Sequenc
         rtn_loss = Q.awq_loss(pairs, np.ones_like(absmean), scheme.args)
         return np.asarray(s, np.float32), float(loss), float(rtn_loss)
 
-    def linear_group(fold: str, before: Any, names: list[str], on_fold: Any = None) -> None:
-        names = [n for n in names if n in quantized and n in stats]
-        if not names:
+    def linear_group(fold: str, before: Any, names: list[str]) -> None:
+        """`names`: every Linear reading `before`'s output. The search runs over the quantized ones; all
+        of them (ignored ones too, which stay float) take the scale, so the fold is exact."""
+        qnames = [n for n in names if n in quantized and n in stats]
+        if not qnames or stats[qnames[0]].n <= 0:
             return
-        st = stats[names[0]]
-        if st.n <= 0:
-            return
-        lins = [_module(layer, n[len(pre) + 1:]) for n in names]
-        s, loss, rtn_loss = search([(_hf(m), st.H) for m in lins], st.absmean())
-        for m in lins:
-            _scale_in(m, s)
-        before(s)
-        if on_fold is not None:
-            on_fold(s)
+        st = stats[qnames[0]]
+        s, loss, rtn_loss = search([(_hf(_module(layer, n[len(pre) + 1:])), st.H) for n in qnames], st.absmean())
         for n in names:
+            _scale_in(_module(layer, n[len(pre) + 1:]), s)
+        before(s)
+        for n in qnames:
             stats[n] = stats[n].scaled(s)
-        rows.append({"fold": fold, "modules": names, "loss": loss, "rtn_loss": rtn_loss})
+        rows.append({"fold": fold, "modules": qnames, "loss": loss, "rtn_loss": rtn_loss})
 
     attn = layer.self_attn
     norm_in = lambda s: _scale_norm(layer.input_layernorm, s)  # noqa: E731
@@ -505,8 +510,10 @@ def _awq_moe(moe: nnx.Module, prefix: str, stats: dict[str, Stats], quantized: s
     if pairs and pooled.n > 0:
         s, loss, rtn_loss = search(pairs, pooled.absmean())
         ex.gate_up[...] = jnp.asarray(gu * s[None, :, None], ex.gate_up[...].dtype)
+        if shared is not None:  # the shared experts read the same normed input: scaled too, quantized or not
+            _scale_in(shared.gate_proj, s)
+            _scale_in(shared.up_proj, s)
         for n in shared_names:
-            _scale_in(getattr(shared, n.rsplit(".", 1)[1]), s)
             stats[n] = stats[n].scaled(s)
         norm_post(s)
         router = getattr(moe, moe.router_name)
@@ -612,10 +619,14 @@ def quantize_model(model: nnx.Module, scheme: Scheme, batches: Sequence[tuple[np
     units = quant_units(model, ignore)
     if not units:
         raise ValueError("nothing to quantize: every Linear is ignored")
-    check_divisible(units, scheme)
-    if gpt_oss := [u.name for u in units if isinstance(u.module, Experts) and u.module.hf_layout == "gpt_oss"]:
-        raise ValueError(f"{gpt_oss[0]}: GPT-OSS's fused experts have no compressed-tensors layout (the model "
-                         "ships them in MXFP4); add 're:.*mlp\\.experts' to quantize.ignore")
+    check_supported(units, scheme)
+    if not batches:  # RTN and FP8 need no data (the report then has weight errors only); GPTQ / AWQ do
+        if scheme.kind == "int" and scheme.method != "rtn":
+            raise ValueError(f"scheme {scheme.name}: {scheme.method.upper()} needs calibration data")
+        rows = [r for u in units for r in _quantize_unit(u, {}, scheme, opts)]
+        model.quant_scheme, model.quant_ignore = scheme, tuple(ignore)
+        return {"scheme": scheme.name, "modules": rows, "awq": [], "seconds": time.perf_counter() - t0,
+                "calibration_tokens": 0}
     L = model.config.num_hidden_layers
     xs = [model.embed_tokens(jnp.asarray(ids)) for ids, _ in batches]  # [B, T, D] each
     segs = [jnp.asarray(seg, jnp.int32) for _, seg in batches]
@@ -647,11 +658,7 @@ def _unit_quantized(u: Unit) -> bool:
 
 def quantize_int8(model: nnx.Module) -> nnx.Module:
     """W8A16 round-to-nearest without calibration (int8 needs none); in place, returns the model."""
-    units = quant_units(model)
-    scheme = parse_scheme("int8")
-    for u in units:
-        _quantize_unit(u, {}, scheme, Options())
-    model.quant_scheme, model.quant_ignore = scheme, ()
+    quantize_model(model, parse_scheme("int8"), [])
     return model
 
 

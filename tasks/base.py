@@ -61,6 +61,12 @@ class BaseConfig(BaseModel):
 def llama_config(shape: ModelShape, data_dir: Path) -> models.LlamaConfig:
     special = json.loads((data_dir / "special_tokens.json").read_text())
     vocab_size = Tokenizer.from_file(str(data_dir / "tokenizer.json")).get_vocab_size(with_added_tokens=True)
+    return shape_config(shape, vocab_size, special)
+
+
+def shape_config(shape: ModelShape, vocab_size: int, special: dict[str, int] | None = None) -> models.LlamaConfig:
+    """The scratch base's config for a vocabulary (the layer widths do not depend on it)."""
+    special = special or {"bos": 0, "eos": 0, "pad": 0}
     fields = shape.model_dump()
     return models.LlamaConfig(
         vocab_size=vocab_size,

@@ -65,6 +65,15 @@ class QuantizeConfig(BaseModel):
         return v
 
 
+def check_fits(cfg: QuantizeConfig, model: Any) -> None:
+    """Every scheme against the model's layers (an `nnx.eval_shape` model will do): group sizes that do not
+    divide a width, a partial ignore of an expert stack, unsupported experts. The release checks this
+    before any stage runs; `quantize_model` checks it again."""
+    units = quant.quant_units(model, cfg.ignore)
+    for name in cfg.schemes:
+        quant.check_supported(units, quant.parse_scheme(name))
+
+
 def calibration_batches(data_dir: Path, cfg: CalibrationConfig) -> list[tuple[np.ndarray, np.ndarray]]:
     """(input_ids, segment_ids) batches of the train split's packed rows; clear errors when there is too little."""
     try:

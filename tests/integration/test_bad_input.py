@@ -67,6 +67,19 @@ def test_unknown_recipe_name(tmp_path):
     assert result.returncode == 2 and "unknown recipe 'nope'" in _error_line(result)
 
 
+def test_quantize_group_that_does_not_divide(tmp_path, tiny_base):
+    """Checked against the base's widths before anything runs: the recipe's scratch base (d=64 here) and a
+    base.url checkpoint's config.json."""
+    result = _release(tmp_path / "store", "quantize.schemes=[int8,w4a16-gptq]")
+    assert result.returncode == 2
+    line = _error_line(result)
+    assert "quantize: scheme w4a16-gptq: group size 128 does not divide" in line and "quantize.ignore" in line
+    base, _ = tiny_base
+    result = _release(tmp_path / "store", f"base.url=file://{base}", "quantize.schemes=[int8,w4a16-rtn-g48]")
+    assert result.returncode == 2 and "group size 48 does not divide" in _error_line(result)
+    assert not (tmp_path / "store").exists()
+
+
 def test_missing_corpus_url(tmp_path):
     missing = tmp_path / "nowhere" / "corpus.jsonl"
     result = _release(tmp_path / "store", f"data.corpus=file://{missing}")
