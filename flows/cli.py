@@ -94,6 +94,8 @@ def _check_quantize(cfg) -> None:
     from tasks.base import shape_config
     from tasks.quantize import check_fits
 
+    for scheme in cfg.quantize.schemes:  # every shipped scheme needs a gate limit (else evaluate fails at the end)
+        cfg.evaluate.gates.quant_limit(scheme)
     if cfg.base.url is None:
         config, model_cls = shape_config(cfg.base.model, vocab_size=8), registry.family(cfg.base.model.architecture)[1]
     else:

@@ -56,7 +56,8 @@ from models.layers import Linear, QuantScale, QuantWeight, QuantZero, RMSNorm, h
 from models.moe import Experts
 
 FP8_BLOCK = 128
-ALWAYS_IGNORED = ("lm_head",)
+# lm_head stays float; so does the MTP layers' eh_proj, which vLLM builds as a plain, unquantized Linear
+ALWAYS_IGNORED = ("lm_head", r"re:.*\.eh_proj$")
 ROUTER_PATTERNS = (r"re:.*mlp\.gate$", r"re:.*mlp\.router$")  # written to `ignore` for engines that wrap routers
 
 # ------------------------------------------------------------------------------------------------
@@ -234,6 +235,7 @@ def set_experts(ex: Experts, gate: Sequence[QMatrix], up: Sequence[QMatrix], dow
                                                        (axes[0], None, axes[2]), QuantZero)
         setattr(ex, f"{w}_zero", zero)
         setattr(ex, w, None)
+    ex.gate_up_lora_a = ex.gate_up_lora_b = ex.down_lora_a = ex.down_lora_b = ex.lora_dropout = None
     ex.qblock = FP8_BLOCK if kind == "fp8-block" else None
     ex.qbits = bits
 
@@ -293,7 +295,7 @@ def _moments(x: jax.Array, w: jax.Array) -> tuple[jax.Array, jax.Array, jax.Arra
     """x [R, n], row weights w [R] (0/1) -> (xᵀ diag(w) x [n, n], Σ w |x| [n], Σ w)."""
     x = x.astype(jnp.float32)
     xw = x * w[:, None]
-    return xw.T @ x, jnp.abs(xw).sum(0), w.sum()
+    return jnp.matmul(xw.T, x, precision=jax.lax.Precision.HIGHEST), jnp.abs(xw).sum(0), w.sum()
 
 
 def _layer_context(model: nnx.Module, seg: jax.Array, i: int):
@@ -616,6 +618,9 @@ def quantize_model(model: nnx.Module, scheme: Scheme, batches: Sequence[tuple[np
     t0 = time.perf_counter()
     if is_quantized(model):
         raise ValueError("the model is already quantized")
+    for path, node in nnx.iter_graph(model):
+        if getattr(node, "lora_a", None) is not None or getattr(node, "gate_up_lora_a", None) is not None:
+            raise ValueError(f"{hf_name(path)} has a LoRA adapter: merge it (models.merge_lora) before quantizing")
     units = quant_units(model, ignore)
     if not units:
         raise ValueError("nothing to quantize: every Linear is ignored")
@@ -812,8 +817,12 @@ def to_deepseek_fp8(model: nnx.Module) -> tuple[dict[str, Any], dict[str, np.nda
         tensors[f"{name}.weight_scale_inv"] = np.ascontiguousarray(qm.scale.astype(np.float32))
         if bias is not None:
             tensors[f"{name}.bias"] = np.asarray(bias[...], np.float32)
+    quantized = {name for name, _, _ in iter_qmatrices(model)}
+    float_linears = sorted({hf_name(p) for p, node in nnx.iter_graph(model) if isinstance(node, Linear)} - quantized)
     config = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-              "weight_block_size": [FP8_BLOCK, FP8_BLOCK]}
+              "weight_block_size": [FP8_BLOCK, FP8_BLOCK],
+              # Linears left in float (lm_head, ignored ones): loaders would make every other Linear FP8
+              "modules_to_not_convert": float_linears}
     return config, tensors
 
 

@@ -7,6 +7,7 @@ and Prefect re-binds its logging handlers to the swapped stream when a flow star
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -77,6 +78,14 @@ def test_quantize_group_that_does_not_divide(tmp_path, tiny_base):
     base, _ = tiny_base
     result = _release(tmp_path / "store", f"base.url=file://{base}", "quantize.schemes=[int8,w4a16-rtn-g48]")
     assert result.returncode == 2 and "group size 48 does not divide" in _error_line(result)
+    assert not (tmp_path / "store").exists()
+    # a shipped scheme without a perplexity gate limit: refused up front too, not after the evaluation
+    recipe = tmp_path / "recipe.yaml"
+    text = (Path(__file__).parents[2] / "tasks" / "recipes" / "tiny.yaml").read_text()
+    recipe.write_text(re.sub(r"max_quant_ppl_increase: \{.*\}", "max_quant_ppl_increase: {int8: 0.01}", text))
+    result = _cli("release", "--recipe", str(recipe), "--store", f"file://{tmp_path}/store",
+                  *(a for s in TINY_RELEASE for a in ("--set", s)))
+    assert result.returncode == 2 and "no limit for scheme 'w4a16-gptq-g64'" in _error_line(result)
     assert not (tmp_path / "store").exists()
 
 

@@ -209,6 +209,7 @@ def test_checkpoint_round_trip(name, tmp_path):
     models.save_pretrained(model, str(tmp_path / name))
     config = json.loads((tmp_path / name / "config.json").read_text())["quantization_config"]
     assert "lm_head" in config["ignore"] and r"re:.*mlp\.gate$" in config["ignore"]
+    assert r"re:.*\.eh_proj$" in config["ignore"]  # MTP's eh_proj: a plain Linear in vLLM
     loaded = models.from_pretrained(str(tmp_path / name))
     assert quant.scheme_of(loaded).bits == quant.parse_scheme(name).bits
     np.testing.assert_array_equal(logits(loaded), out)
@@ -216,7 +217,7 @@ def test_checkpoint_round_trip(name, tmp_path):
         models.save_pretrained(model, str(tmp_path / "ds"), layout="deepseek-fp8")
         qc = json.loads((tmp_path / "ds" / "config.json").read_text())["quantization_config"]
         assert qc == {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                      "weight_block_size": [128, 128]}
+                      "weight_block_size": [128, 128], "modules_to_not_convert": ["lm_head"]}
         assert rel(logits(models.from_pretrained(str(tmp_path / "ds"))), out) < 1e-5
 
 
@@ -241,6 +242,10 @@ def test_ignore_list():
         quant.quant_units(family(qwen3_moe), ignore=(r"re:.*experts\.0\..*",))
     with pytest.raises(ValueError, match="nothing to quantize"):
         quant.quantize_model(llama(), quant.parse_scheme("int8"), BATCHES, ignore=("re:.*",))
+    lora = llama()
+    models.apply_lora(lora, rank=4, alpha=8, targets=("q_proj",))
+    with pytest.raises(ValueError, match=r"model.layers.0.self_attn.q_proj has a LoRA adapter: merge it"):
+        quant.quantize_model(lora, quant.parse_scheme("int8"), [])
 
 
 def _data(tmp_path, rows: int, length: int = 64, split: str = "train"):
@@ -286,6 +291,7 @@ def test_speculative_decoding_against_a_quantized_target():
     L = model.config.num_hidden_layers
     mtp_rows = [r for r in report["modules"] if r["module"].startswith(f"model.layers.{L}.")]
     assert mtp_rows and all(r["method"] == "rtn" and "no calibration tokens" in r["fallback"] for r in mtp_rows)
+    assert model.layers[L].eh_proj.qweight is None  # left float by default
     ids = jnp.asarray(IDS[:2, :6])
     ref = np.asarray(generate(model, ids, max_new_tokens=12).tokens)
     out = speculative_generate(model, MTPDraft(model), ids, max_new_tokens=12, k=3)
