@@ -31,8 +31,9 @@ q_a / kv_a projections) and before the MLP or experts (the routers get the inver
 unchanged), MLA's q_a / kv_a norms, and the up projection before each down projection (SwiGLU only). The
 attention output projection has no foldable predecessor under GQA and is quantized by RTN, as AutoAWQ does.
 
-Every Linear except `lm_head` and every expert is quantized unless it matches `ignore` (module names, or
-regexes prefixed `re:`); routers, norms and embeddings are never Linears here, so they always stay float.
+Every Linear except `lm_head` and MTP layers' `eh_proj` (ALWAYS_IGNORED), and every expert, is quantized
+unless it matches `ignore` (module names, or regexes prefixed `re:`); routers, norms and embeddings are never
+Linears here, so they always stay float. A model with an unmerged LoRA adapter is refused.
 """
 
 from __future__ import annotations
