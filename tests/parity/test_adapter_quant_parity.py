@@ -91,7 +91,8 @@ def test_transformers_loads_our_int8_checkpoint(hf_checkpoint, tmp_path):
     model = quantize_int8(from_pretrained(path))
     save_pretrained(model, str(tmp_path / "w8a16"))
     config = json.loads((tmp_path / "w8a16" / "config.json").read_text())
-    assert config["quantization_config"]["ignore"] == ["lm_head", r"re:.*mlp\.gate$", r"re:.*mlp\.router$"]
+    assert config["quantization_config"]["ignore"] == ["lm_head", r"re:.*\.eh_proj$", r"re:.*mlp\.gate$",
+                                                       r"re:.*mlp\.router$"]
     # transformers' compressed-tensors integration decompresses on load
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "w8a16")).eval()
     assert rel_err(model(jnp.asarray(IDS)), hf_logits(reloaded, IDS)) <= 1e-4
