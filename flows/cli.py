@@ -1,19 +1,26 @@
 """The `forgeline` command line.
 
-    forgeline release [--recipe NAME|FILE] [--store URL] [--set key=value ...]
-    forgeline draft-refresh [--recipe NAME|FILE] [--store URL] [--set key=value ...]
+    forgeline release [--recipe NAME|FILE] [--store URL] [--set key=value ...] [--allow-weaker-gates]
+    forgeline draft-refresh [--recipe NAME|FILE] [--store URL] [--set key=value ...] [--allow-weaker-gates]
+    forgeline verify URL [--store URL] [--no-lineage]
     forgeline deploy [--prefect-file infra/prefect.yaml]
 
 Without PREFECT_API_URL, Prefect runs an ephemeral server for the command's lifetime; with it, runs
-appear on that server's UI. Errors print one line on stderr and exit non-zero (2 for a bad recipe).
+appear on that server's UI. Every failure is one `error:` line on stderr and a non-zero exit (2 for a
+bad recipe or command line, 1 for bad input or a failed stage, 130/143 when interrupted); tracebacks go
+to the run's logs in Prefect (and, for errors outside a run, to a file the line names), never to the
+terminal. Ctrl-C or SIGTERM stops the run and everything it started (the ephemeral Prefect server
+included); nothing half-written is ever visible, and the same command resumes.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Annotated
 
@@ -23,12 +30,22 @@ ROOT = Path(__file__).resolve().parent.parent
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
 os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
+# Prefect's console handler would print a failed task's traceback on the terminal; the API handler still
+# sends it to the run's logs in the UI. Set the variable to see Prefect's own lines again.
+os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "CRITICAL")
+# absl (imported by orbax) calls logging.basicConfig() on its first message when the root logger has no
+# handler, which would print every library's errors -- Prefect's task tracebacks included -- on stderr.
+logging.getLogger().addHandler(logging.NullHandler())
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="forgeline: open model releases.")
 
 Recipe = Annotated[str, typer.Option("--recipe", "-r", help="recipe name (tasks/recipes/) or YAML file")]
 Store = Annotated[str, typer.Option("--store", "-s", help="artifact store URL: file://DIR, s3://BUCKET/PREFIX")]
 Sets = Annotated[list[str] | None, typer.Option("--set", help="override a recipe key: section.key=value")]
+Weaker = Annotated[bool, typer.Option("--allow-weaker-gates",
+                                      help="accept --set overrides that loosen the recipe's gates, recorded as waivers "
+                                           "(the bundle is exported; the release pointer moves only if the declared "
+                                           "gates pass)")]
 
 
 class _Stderr(logging.StreamHandler):
@@ -59,32 +76,77 @@ def _fail(message: str, code: int = 1) -> None:
     raise typer.Exit(code)
 
 
-def _preflight(recipe: str, overrides: list[str]):
-    """Validate the recipe and the inputs we can check cheaply before Prefect starts."""
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
+def _preflight(recipe: str, overrides: list[str], store: str, allow_weaker_gates: bool):
+    """Everything that can be checked before Prefect starts and any stage commits: the recipe and its
+    gates, the store, the input URLs, the first records of each user corpus, the quantize group sizes."""
     import storage
-    from tasks.recipe import ConfigError, load_recipe
+    from tasks.recipe import ConfigError, load_release
 
     try:
-        cfg = load_recipe(recipe, overrides)
+        cfg = load_release(recipe, overrides, allow_weaker_gates=allow_weaker_gates)
     except ConfigError as e:
         _fail(str(e), 2)
-    for field, url in (("data.corpus", cfg.data.corpus), ("base.data.corpus", cfg.base.data.corpus),
-                       ("base.url", cfg.base.url)):
+    try:
+        storage.check_store(store)
+    except storage.StorageKeyError as e:
+        _fail(f"--store: {e}", 2)
+    except storage.StoreUnavailable as e:
+        _fail(e.strerror or _first_line(e))
+    corpora = (("base.data.corpus", cfg.base.data), ("data.corpus", cfg.data),
+               ("refresh.data.corpus", cfg.refresh.data))
+    for field, url in (*((f, d.corpus) for f, d in corpora), ("base.url", cfg.base.url)):
         if url and not url.startswith("builtin://"):
             try:
                 storage.list_files(url)
             except (FileNotFoundError, storage.StorageKeyError):
                 _fail(f"{field}: no such file or folder: {url}")
+            except Exception as e:  # an unreachable endpoint, refused credentials
+                _fail(f"{field}: cannot read {url} ({_first_line(e)})")
+    from tasks.data_prep import check_corpus
+
+    for field, data in corpora:
+        if cfg.base.url is not None and field == "base.data.corpus":
+            continue  # no pretraining: the base corpus is not read
+        try:
+            check_corpus(data)
+        except ValueError as e:
+            _fail(f"{field}: {_first_line(e).removeprefix('corpus: ')}")
     try:
         _check_quantize(cfg)
     except ValueError as e:
         _fail(f"quantize: {e}", 2)
+    _check_meshes(cfg)
     return cfg
+
+
+def _check_meshes(cfg) -> None:
+    """Every training stage's mesh against the devices this process sees (the inline execution runs every
+    stage here): `data x tensor x expert (x fsdp)` must fill them."""
+    import jax
+
+    n = jax.device_count()
+    for section, train in (("base.train", cfg.base.train), ("finetune.train", cfg.finetune.train),
+                           ("draft.train", cfg.draft.train), ("refresh.draft.train", cfg.refresh.draft.train)):
+        if section == "base.train" and cfg.base.url is not None:
+            continue  # an imported base is not trained
+        m = train.mesh
+        fixed = m.data * m.tensor * m.expert
+        if m.fsdp is None and n % fixed:
+            _fail(f"{section}.mesh: data {m.data} x tensor {m.tensor} x expert {m.expert} needs a multiple of {fixed} "
+                  f"devices; this machine has {n}", 2)
+        if m.fsdp is not None and fixed * m.fsdp != n:
+            _fail(f"{section}.mesh: data {m.data} x fsdp {m.fsdp} x tensor {m.tensor} x expert {m.expert} needs "
+                  f"{fixed * m.fsdp} devices; this machine has {n}", 2)
 
 
 def _check_quantize(cfg) -> None:
     """The quantize schemes against the base's layer widths (from the recipe, or base.url's config.json),
-    on an abstract model: a group size that does not fit fails now, not after fine-tuning."""
+    on an abstract model: a group size that does not fit fails now, not after fine-tuning. A base.url whose
+    config.json is missing, unreadable or unsupported fails here too, naming the file."""
     import json
 
     from flax import nnx
@@ -102,13 +164,17 @@ def _check_quantize(cfg) -> None:
         source = storage.join(cfg.base.url, "config.json")
         try:
             raw = json.loads(storage.read_bytes(source))
-        except (FileNotFoundError, storage.StorageKeyError, ValueError):
-            return  # the base stage reports a missing or broken config.json with its own error
+        except FileNotFoundError:
+            _fail(f"base.url: {storage.normalize_url(cfg.base.url)} has no config.json (not an HF checkpoint folder)")
+        except ValueError as e:
+            _fail(f"base.url: {source}: cannot read config ({_first_line(e)})")
         try:
             config_cls, model_cls = registry.resolve(raw, source)
             config = config_cls.from_hf(raw)
-        except (ValueError, TypeError, KeyError):
-            return  # likewise an unsupported or malformed config
+        except KeyError as e:
+            _fail(f"base.url: {source}: missing key {e.args[0]!r}")
+        except (ValueError, TypeError, NotImplementedError) as e:
+            _fail(f"base.url: {source}: {_first_line(e).removeprefix(source + ': ').removeprefix('config.json: ')}")
     check_fits(cfg.quantize, nnx.eval_shape(lambda: model_cls(config, rngs=nnx.Rngs(0))))
 
 
@@ -149,30 +215,69 @@ def _summary(console, rows, title: str) -> None:
     console.print(table)
 
 
+class _Interrupted(BaseException):
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _on_signal(signum, _frame) -> None:
+    raise _Interrupted(signum)
+
+
 def _run(fn, **kwargs):
-    from storage import ArtifactError
+    """Run a flow; any failure becomes one `error:` line and an exit code. SIGTERM and Ctrl-C unwind the
+    run like an exception (stages release their leases, checkpoints finish uploading, the ephemeral
+    Prefect server is stopped on exit) and exit 128 + the signal number."""
+    from prefect.exceptions import TerminationSignal
+
+    from storage import ArtifactError, StorageKeyError, StoreUnavailable
     from tasks.export import GateError
     from tasks.recipe import ConfigError
+    from tasks.train import TrainingDiverged
 
+    previous = {s: signal.signal(s, _on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         return fn(**kwargs)
     except ConfigError as e:
         _fail(str(e), 2)
-    except (ValueError, FileNotFoundError, GateError, ArtifactError) as e:
-        _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
+    except (_Interrupted, KeyboardInterrupt, TerminationSignal) as e:
+        signum = getattr(e, "signum", signal.SIGTERM if isinstance(e, TerminationSignal) else signal.SIGINT)
+        _fail(f"interrupted by {signal.Signals(signum).name}: nothing half-written is visible; run the same "
+              f"command again to resume after the last committed stage", 128 + signum)
+    except (ValueError, NotImplementedError, FileNotFoundError, PermissionError, GateError, ArtifactError,
+            StoreUnavailable, StorageKeyError, TrainingDiverged) as e:
+        _fail(_first_line(e))
+    except Exception as e:  # a bug, or an error deep inside a library: the line says where the traceback is
+        _fail(f"{type(e).__name__}: {_first_line(e)} (traceback: {_save_traceback(e)})")
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def _save_traceback(e: BaseException) -> Path:
+    folder = Path(os.environ.get("FORGELINE_CACHE", Path.home() / ".cache" / "forgeline")) / "logs"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
+    path.write_text("".join(traceback.format_exception(e)))
+    return path
 
 
 @app.command()
-def release(recipe: Recipe = "tiny", store: Store = "file://./artifacts", set_: Sets = None) -> None:
+def release(recipe: Recipe = "tiny", store: Store = "file://./artifacts", set_: Sets = None,
+            allow_weaker_gates: Weaker = False) -> None:
     """Run the release flow and print the bundle URL as the last line."""
-    _preflight(recipe, set_ or [])
+    _preflight(recipe, set_ or [], store, allow_weaker_gates)
     from flows.release import release as release_flow
+    from tasks.cli import configure_jax
+
+    configure_jax()
 
     _log_to_stderr()
 
     console, rows = _console_progress()
     t0 = time.perf_counter()
-    url = _run(release_flow, recipe=recipe, overrides=set_ or [], store=store)
+    url = _run(release_flow, recipe=recipe, overrides=set_ or [], store=store, allow_weaker_gates=allow_weaker_gates)
     _summary(console, rows, f"release finished in {time.perf_counter() - t0:.0f}s")
     import storage
 
@@ -181,20 +286,46 @@ def release(recipe: Recipe = "tiny", store: Store = "file://./artifacts", set_: 
 
 
 @app.command("draft-refresh")
-def draft_refresh(recipe: Recipe = "tiny", store: Store = "file://./artifacts", set_: Sets = None) -> None:
+def draft_refresh(recipe: Recipe = "tiny", store: Store = "file://./artifacts", set_: Sets = None,
+                  allow_weaker_gates: Weaker = False) -> None:
     """Retrain the draft on fresh prompts; promote it only if acceptance does not drop."""
-    _preflight(recipe, set_ or [])
+    _preflight(recipe, set_ or [], store, allow_weaker_gates)
     from flows.draft_refresh import draft_refresh as refresh_flow
+    from tasks.cli import configure_jax
+
+    configure_jax()
 
     _log_to_stderr()
 
     console, rows = _console_progress()
-    result = _run(refresh_flow, recipe=recipe, overrides=set_ or [], store=store)
+    result = _run(refresh_flow, recipe=recipe, overrides=set_ or [], store=store,
+                  allow_weaker_gates=allow_weaker_gates)
     _summary(console, rows, "draft refresh")
     verdict = "promoted" if result["promoted"] else "kept current"
     console.print(f"acceptance length: current {result['current']:.3f}, candidate {result['candidate']:.3f} "
                   f"-> {verdict}")
     print(result["draft"])
+
+
+@app.command()
+def verify(url: Annotated[str, typer.Argument(help="a bundle or any committed artifact: file://, s3://")],
+           store: Annotated[str | None, typer.Option(help="the store its lineage resolves in (default: the "
+                                                          "folder two levels above URL)")] = None,
+           lineage: Annotated[bool, typer.Option(help="check lineage.json against the store")] = True) -> None:
+    """Re-hash every file against manifest.json, resolve the lineage, check checkpoint configs and headers.
+    Prints one line per missing, extra or altered file (exit 1), or one `ok:` line."""
+    import storage
+    from flows.verify import report
+
+    try:
+        code, lines = report(url, store=store, lineage=lineage)
+    except storage.StorageKeyError as e:
+        _fail(str(e), 2)
+    except Exception as e:  # unreachable store, refused credentials
+        _fail(f"{url}: {_first_line(e)}")
+    for line in lines:
+        typer.echo(line, err=code != 0)
+    raise typer.Exit(code)
 
 
 @app.command()

@@ -1,5 +1,7 @@
 """The `draft-refresh` flow (scheduled): fresh prompts -> target traces -> retrained draft -> eval ->
-promote by one pointer write, only if the acceptance length does not drop.
+promote by one pointer write, only if the candidate decodes losslessly and its acceptance length is at
+least `refresh.min_acceptance_ratio` (as the recipe declares it; a command-line waiver never promotes)
+times the current draft's.
 
 The current draft is `pointers/drafts/<name>.json` when a refresh was promoted before, otherwise the
 draft of the release `pointers/releases/<name>.json` points at. The candidate warm-starts from the
@@ -18,8 +20,8 @@ import storage
 from flows.release import DEFAULT_STORE
 from flows.stages import run_stage
 from storage import ArtifactRef, Store
-from tasks.evaluate import EvalConfig, Gates
-from tasks.recipe import load_recipe
+from tasks.evaluate import EvalConfig, Gates, load_report
+from tasks.recipe import load_release
 
 
 def _release_refs(st: Store, name: str) -> dict[str, ArtifactRef]:
@@ -27,14 +29,16 @@ def _release_refs(st: Store, name: str) -> dict[str, ArtifactRef]:
     if bundle is None:
         raise ValueError(f"draft-refresh: no release named {name!r} in {st.root} (run `forgeline release` first)")
     lineage = json.loads(storage.read_bytes(bundle.file("lineage.json")))
-    return {k: st.load(v["url"]) for k, v in lineage["stages"].items()}
+    # keys, checked to stay inside the store: a bundle's lineage cannot send the refresh elsewhere
+    return {k: st.load(st.url(v["key"])) for k, v in lineage["stages"].items()}
 
 
 @flow(name="draft-refresh", log_prints=True)
-def draft_refresh(recipe: str = "tiny", overrides: list[str] | None = None, store: str = DEFAULT_STORE) -> dict:
+def draft_refresh(recipe: str = "tiny", overrides: list[str] | None = None, store: str = DEFAULT_STORE,
+                  allow_weaker_gates: bool = False) -> dict:
     """Returns {"promoted": bool, "current": acceptance, "candidate": acceptance, "draft": url}."""
     log = get_run_logger()
-    cfg = load_recipe(recipe, overrides or [])
+    cfg = load_release(recipe, overrides or [], allow_weaker_gates=allow_weaker_gates)
     store = storage.normalize_url(store)
     st = Store(store)
     refs = _release_refs(st, cfg.name)
@@ -48,18 +52,19 @@ def draft_refresh(recipe: str = "tiny", overrides: list[str] | None = None, stor
     candidate = run_stage("draft[candidate]", "draft", r.draft.model_copy(update={"target": cfg.serve}),
                           {"target": served, "traces": tr, "init": current}, store)
     # Draft-only evaluation at temperature 0 (the promotion criterion), against the served model, on the
-    # fresh data's held-out prompts; no base; lossless is still a gate.
+    # fresh data's held-out prompts; no base. Its one gate is losslessness; promotion compares the two
+    # drafts' acceptance below (the release's quality gates judged the served model already).
     ev_cfg = EvalConfig(**{**cfg.evaluate.model_dump(), "spec_target": cfg.serve, "spec_temperatures": [0.0],
-                           "spec_tree": False,
+                           "spec_tree": False, "declared_gates": None,
                            "gates": Gates(finetune_improves=False, min_acceptance_length=0.0,
                                           max_quant_ppl_increase=1e9)})
     ev_inputs = {"finetune": finetuned, "data": data} | ({"quant": refs["quant"]} if cfg.serve != "finetuned" else {})
     evals = {name: run_stage(f"evaluate[{name}]", "evaluate", ev_cfg, ev_inputs | {"draft": d}, store)
              for name, d in (("current", current), ("candidate", candidate))}
-    reports = {k: json.loads(storage.read_bytes(v.file("report.json"))) for k, v in evals.items()}
+    reports = {k: load_report(lambda name, v=v: storage.read_bytes(v.file(name))) for k, v in evals.items()}
     acc = {k: rep["draft"]["acceptance_length"] for k, rep in reports.items()}
     lossless = reports["candidate"]["draft"]["lossless"]
-    promote = lossless and acc["candidate"] >= r.min_acceptance_ratio * acc["current"] and candidate != current
+    promote = lossless and acc["candidate"] >= cfg.refresh_ratio_declared() * acc["current"] and candidate != current
     if promote:
         st.write_pointer(f"drafts/{cfg.name}", candidate, acceptance_length=acc["candidate"])
     verdict = "promoted" if promote else "kept the current draft"

@@ -5,8 +5,8 @@
   artifact was deleted the key changes and the stage runs again, and a record written for another
   store never answers for this one (the manifest, not Prefect's cache record, is the source of truth);
 - results are the artifact references, serialised as JSON (no pickle), never arrays;
-- retries with exponential backoff, for storage and network errors only -- a bad config, a corrupt
-  input or a failed gate fails at once;
+- retries with exponential backoff, for storage and network outages only (`transient`) -- a bad config,
+  a corrupt input (IntegrityError) or a failed gate fails at once, and is never recomputed over;
 - training stages publish a progress artifact to the UI.
 """
 
@@ -62,16 +62,26 @@ def cache_key(context: TaskRunContext, parameters: dict[str, Any]) -> str:
     return f"{kind}-{fp}-{hashlib.sha256(f'{ref.url}@{ref.digest}'.encode()).hexdigest()[:16]}"
 
 
+def transient(e: BaseException) -> bool:
+    """A network or storage outage that a retry may outlive: connection refused or reset, timeouts, an S3
+    server's 5xx. Never a bad input, a failed gate or damaged bytes (ArtifactError and IntegrityError say
+    the same thing however often they are asked), nor a missing or forbidden object."""
+    if isinstance(e, ArtifactError | FileNotFoundError | PermissionError | IsADirectoryError | NotADirectoryError):
+        return False
+    if isinstance(e, ConnectionError | TimeoutError | OSError):
+        return True
+    # botocore's and aiohttp's connection errors are not OSErrors; match them by module, not by import
+    return any(c.__module__.split(".")[0] in ("botocore", "aiohttp", "aiobotocore", "urllib3")
+               and ("Connection" in c.__name__ or "Timeout" in c.__name__ or "Endpoint" in c.__name__)
+               for c in type(e).__mro__)
+
+
 def _retryable(task, task_run, state) -> bool:
     """Retry storage/infrastructure errors only."""
     try:
         state.result()
-    except (ConnectionError, TimeoutError, ArtifactError):
-        return True
-    except OSError as e:
-        return not isinstance(e, FileNotFoundError | PermissionError | IsADirectoryError)
-    except Exception:
-        return False
+    except Exception as e:
+        return transient(e)
     return False
 
 
@@ -113,11 +123,12 @@ def stage(name: str, kind: str, config: dict[str, Any], inputs: dict[str, dict],
     st = Store(store)
     refs = {k: ArtifactRef.from_dict(v) for k, v in inputs.items()}
     ref = st.lookup(kind, _fingerprint(kind, config, inputs, salt))
-    ran = ref is None
-    if ran:  # a progress bar only for work that will actually happen
+    computed: list[bool] = []  # set when this process computes the stage (not when it waits for another)
+    if ref is None:  # a progress bar only for work that will actually happen
         progress = _progress_reporter(name) if kind in ("base", "finetune", "draft") else None
-        ref = registry.run(st, kind, config, refs, salt=salt, progress=progress)
-    _announce(StageEvent(name, kind, ref, ran, time.perf_counter() - t0))
+        ref = registry.run(st, kind, config, refs, salt=salt, progress=progress,
+                           on_compute=lambda: computed.append(True))
+    _announce(StageEvent(name, kind, ref, bool(computed), time.perf_counter() - t0))
     return ref.to_dict()
 
 

@@ -27,7 +27,7 @@ import os
 import re
 import tempfile
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import IO, Any
 from urllib.parse import urlparse
 from urllib.request import url2pathname
 
@@ -109,11 +109,16 @@ def writable_dir(path_or_url: str) -> Iterator[str]:
 # ------------------------------------------------------------------------------------------------
 
 
-def read_safetensors_header(path: str) -> dict[str, dict[str, Any]]:
-    """Parse and validate a safetensors header: {name: {dtype, shape, data_offsets}}; ValueError if bad."""
+def read_safetensors_header(path: str, f: IO[bytes] | None = None,
+                            size: int | None = None) -> dict[str, dict[str, Any]]:
+    """Parse and validate a safetensors header: {name: {dtype, shape, data_offsets}}; ValueError naming
+    `path` if bad. Reads only the header: from the local file `path`, or from the open binary file `f` of
+    `size` bytes (a ranged read of a remote object)."""
     try:
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
+        with contextlib.ExitStack() as stack:
+            if f is None:
+                size = os.path.getsize(path)
+                f = stack.enter_context(open(path, "rb"))
             head = f.read(8)
             if len(head) < 8:
                 raise ValueError(f"{path}: corrupt safetensors: {size} bytes, too short for a header")
@@ -384,7 +389,12 @@ def from_pretrained(path_or_url: str, *, dtype: Any = jnp.float32) -> nnx.Module
         config_path = os.path.join(folder, "config.json")
         cfg_dict = load_config(folder)
         config_cls, model_cls = registry.resolve(cfg_dict, config_path)
-        config = config_cls.from_hf(cfg_dict)
+        try:
+            config = config_cls.from_hf(cfg_dict)
+        except KeyError as e:
+            raise ValueError(f"{config_path}: missing key {e.args[0]!r}") from None
+        except (TypeError, ZeroDivisionError) as e:
+            raise ValueError(f"{config_path}: malformed config ({type(e).__name__}: {e})") from None
         tensors: Mapping[str, np.ndarray] = SafetensorsCheckpoint(folder)
         for_checkpoint = getattr(config, "for_checkpoint", None)
         if for_checkpoint is not None:  # e.g. how many MTP layers the files actually hold

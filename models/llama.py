@@ -115,6 +115,9 @@ class LlamaConfig:
             raise NotImplementedError("config.json: Qwen3 use_sliding_window=true is not supported")
         theta, _, scaling = rope_config_from_hf(d)
         heads = d["num_attention_heads"]
+        if heads % (d.get("num_key_value_heads") or heads):
+            raise ValueError(f"config.json: num_attention_heads {heads} is not a multiple of num_key_value_heads "
+                             f"{d['num_key_value_heads']}")
         return cls(
             vocab_size=d["vocab_size"],
             hidden_size=d["hidden_size"],

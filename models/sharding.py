@@ -49,7 +49,11 @@ def make_mesh(
 ) -> Mesh:
     """A (data, fsdp, tensor, expert) mesh; fsdp defaults to whatever devices remain."""
     devices = list(devices if devices is not None else jax.devices())
-    fsdp = fsdp if fsdp is not None else len(devices) // (data * tensor * expert)
+    fixed = data * tensor * expert
+    if fsdp is None and len(devices) % fixed:
+        raise ValueError(f"mesh data {data} x tensor {tensor} x expert {expert} needs a multiple of {fixed} devices, "
+                         f"have {len(devices)}")
+    fsdp = fsdp if fsdp is not None else len(devices) // fixed
     n = data * fsdp * tensor * expert
     if n != len(devices):
         raise ValueError(f"mesh {data}x{fsdp}x{tensor}x{expert} needs {n} devices, have {len(devices)}")

@@ -5,14 +5,20 @@ from storage.artifacts import (
     MANIFEST,
     ArtifactError,
     ArtifactRef,
+    IntegrityError,
     Store,
     code_version,
+    content_digest,
     fingerprint,
     git_sha,
     sha256_file,
 )
 from storage.fs import (
     StorageKeyError,
+    StoreUnavailable,
+    check_key,
+    check_store,
+    create_bytes,
     download_dir,
     download_file,
     exists,
@@ -20,6 +26,7 @@ from storage.fs import (
     join,
     list_files,
     listing_signature,
+    local_file,
     local_path,
     normalize_url,
     open_url,
@@ -30,10 +37,12 @@ from storage.fs import (
     upload_file,
     write_bytes,
 )
+from storage.leases import Lease, LeaseLost
 
 __all__ = [
-    "MANIFEST", "ArtifactError", "ArtifactRef", "Store", "StorageKeyError", "code_version",
-    "download_dir", "download_file", "exists", "fingerprint", "git_sha", "is_dir", "join",
-    "list_files", "listing_signature", "local_path", "normalize_url", "open_url", "read_bytes", "rm", "scheme_of",
+    "ArtifactError", "ArtifactRef", "IntegrityError", "Lease", "LeaseLost", "MANIFEST", "StorageKeyError", "Store",
+    "StoreUnavailable", "check_key", "check_store", "code_version", "content_digest", "create_bytes",
+    "download_dir", "download_file", "exists", "fingerprint", "git_sha", "is_dir", "join", "list_files",
+    "listing_signature", "local_file", "local_path", "normalize_url", "open_url", "read_bytes", "rm", "scheme_of",
     "sha256_file", "upload_dir", "upload_file", "write_bytes",
 ]

@@ -1,16 +1,25 @@
 """Artifacts: content-addressed folders committed by writing `manifest.json` last.
 
-The commit protocol (shared/reference/prefect-practice.md §12.7, the same idea as Orbax's
-commit-file mode and Hadoop's `_SUCCESS` markers):
+The commit protocol (the same idea as Orbax's commit-file mode and Hadoop's `_SUCCESS` markers):
 
 1. a stage computes into a local staging folder;
 2. every file is uploaded under `<root>/<kind>/<fingerprint>/`, where the fingerprint hashes the
-   stage name, its canonical config, the code version and the digests of its inputs' manifests;
+   stage name, its canonical config, the code version and the digests of its inputs;
 3. `manifest.json` (kind, files with sha256 and size, config, inputs, code version, time, metrics)
    is written **last** as one object -- the commit point. A folder without a manifest does not
-   exist for readers, and is cleared before the next attempt writes into it;
-4. readers trust only prefixes whose manifest parses; `verify` re-hashes the files;
+   exist for readers, and is cleared before the next attempt writes into it (under the stage's
+   lease, `storage.leases`, so that only one process ever writes a prefix);
+4. readers trust only prefixes whose manifest parses; every read of an artifact's files checks them
+   against the manifest (`fetch`), and `audit`/`verify` re-hash them on demand;
 5. promotion is a single-object overwrite of a pointer file (`pointers/<name>.json`).
+
+An artifact's **digest** names its content: sha256 over the canonical JSON of its kind, fingerprint,
+config, input digests, code version and content files. It leaves out what describes one run rather
+than the result -- the commit time, the git SHA, stage metadata (seconds, tokens/s) and the files a
+stage declares *volatile* (wall-clock measurements and logs, e.g. TensorBoard events) -- which the
+manifest still records and `audit` still re-hashes. So a stage recomputed after a crash, on another
+machine or by the other execution mode, has the digest of the first computation whenever it produced
+the same bytes, and everything downstream keeps its fingerprint.
 
 S3 has no atomic rename, so nothing here renames.
 """
@@ -18,28 +27,39 @@ S3 has no atomic rename, so nothing here renames.
 from __future__ import annotations
 
 import datetime as dt
+import fnmatch
 import hashlib
 import json
+import logging
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from functools import cache
 from pathlib import Path
 from typing import Any
 
 from storage import fs
+from storage.leases import Lease
+
+log = logging.getLogger("forgeline.storage")
 
 MANIFEST = "manifest.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 _CODE_PACKAGES = ("models", "tasks", "storage")
 
 
 class ArtifactError(RuntimeError):
-    """A manifest that is missing, malformed, or whose files do not match their digests."""
+    """A manifest that is missing or malformed, or files that do not match it. Never transient: retrying
+    the same read gives the same answer."""
+
+
+class IntegrityError(ArtifactError):
+    """Committed bytes that do not match their manifest (or a manifest that changed since a ref named it):
+    the artifact is damaged, and recomputing over it would hide that."""
 
 
 @dataclass(frozen=True)
@@ -75,6 +95,35 @@ def canonical_json(obj: Any) -> str:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str)
 
 
+def content_digest(manifest: dict[str, Any]) -> str:
+    """The artifact's digest: what it is, not when or where it was made (see the module docstring)."""
+    content = {k: manifest.get(k) for k in ("format", "kind", "fingerprint", "config", "code_version", "files")}
+    content["inputs"] = sorted(i["digest"] for i in manifest.get("inputs", []))
+    return hashlib.sha256(canonical_json(content).encode()).hexdigest()
+
+
+def _check_manifest(m: Any, where: str) -> dict[str, Any]:
+    """A parsed manifest whose shape and file keys are safe to act on (the store may be hostile)."""
+    if not isinstance(m, dict) or not isinstance(m.get("kind"), str) or not isinstance(m.get("fingerprint"), str):
+        raise ArtifactError(f"{where}: malformed manifest (kind and fingerprint must be strings)")
+    for section in ("files", "volatile"):
+        entries = m.get(section, {})
+        if not isinstance(entries, dict):
+            raise ArtifactError(f"{where}: malformed manifest ({section} is not a mapping)")
+        for rel, meta in entries.items():
+            try:
+                fs.check_key(rel)
+            except fs.StorageKeyError as e:
+                raise ArtifactError(f"{where}: {e}") from None
+            if not rel or rel == MANIFEST or not isinstance(meta, dict) or not isinstance(meta.get("sha256"), str) \
+                    or not isinstance(meta.get("size"), int):
+                raise ArtifactError(f"{where}: malformed manifest entry {rel!r}")
+    if not isinstance(m.get("inputs", []), list) or not all(isinstance(i, dict) and isinstance(i.get("digest"), str)
+                                                            for i in m.get("inputs", [])):
+        raise ArtifactError(f"{where}: malformed manifest (inputs)")
+    return m
+
+
 @cache
 def code_version() -> str:
     """sha256 over the source of the packages that produce artifacts (models, tasks, storage).
@@ -104,11 +153,29 @@ def git_sha() -> str | None:
 
 
 def fingerprint(kind: str, config: dict[str, Any], inputs: Iterable[ArtifactRef | str]) -> str:
-    """The stage's address: equal fingerprint <=> same stage, config, code and input bytes."""
+    """The stage's address: equal fingerprint <=> same stage, config, code and input content."""
     digests = sorted(i.digest if isinstance(i, ArtifactRef) else str(i) for i in inputs)
     payload = {"kind": kind, "config": config, "inputs": digests, "code": code_version(),
                "format": FORMAT_VERSION}
     return hashlib.sha256(canonical_json(payload).encode()).hexdigest()[:20]
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One file that does not match its manifest."""
+
+    what: str  # missing | altered | extra
+    rel: str
+    url: str
+    detail: str = ""
+
+    def __str__(self) -> str:
+        return f"{self.what}: {self.url}" + (f" ({self.detail})" if self.detail else "")
+
+
+def volatile_match(rel: str, patterns: Iterable[str]) -> bool:
+    """Whether `rel` matches one of the glob patterns (`*` crosses folders: `tensorboard/*`)."""
+    return any(fnmatch.fnmatchcase(rel, p) for p in patterns)
 
 
 class Store:
@@ -128,6 +195,18 @@ class Store:
     def prefix(self, kind: str, fp: str) -> str:
         return self.url(f"{kind}/{fp}")
 
+    def key_of(self, url: str) -> str:
+        """`url` relative to this store's root (what lineage records, so that a bundle moves with its store);
+        StorageKeyError when `url` is not inside the store."""
+        url = fs.normalize_url(url)
+        if not url.startswith(self.root + "/"):
+            raise fs.StorageKeyError(f"{url} is not inside the store {self.root}")
+        return fs.check_key(url[len(self.root) + 1:])
+
+    def lease(self, kind: str, fp: str) -> Lease:
+        """The lease that makes one process at a time compute `<kind>/<fp>` (storage.leases)."""
+        return Lease(self.root, f"{kind}/{fp}")
+
     # -- reading ---------------------------------------------------------------------------------
 
     def lookup(self, kind: str, fp: str) -> ArtifactRef | None:
@@ -135,55 +214,85 @@ class Store:
         return self.load(self.prefix(kind, fp), missing_ok=True)
 
     def load(self, url: str, *, missing_ok: bool = False) -> ArtifactRef | None:
+        ref, _ = self._load(url, missing_ok=missing_ok)
+        return ref
+
+    def _load(self, url: str, *, missing_ok: bool = False) -> tuple[ArtifactRef | None, dict[str, Any]]:
         murl = fs.join(url, MANIFEST)
         try:
             raw = fs.read_bytes(murl)
         except FileNotFoundError:
             if missing_ok:
-                return None
+                return None, {}
             raise ArtifactError(f"no committed artifact at {url} (missing {MANIFEST})") from None
+        except IsADirectoryError:
+            raise ArtifactError(f"{murl}: not a file") from None
         try:
             m = json.loads(raw)
-            return ArtifactRef(url=fs.normalize_url(url), kind=m["kind"], fingerprint=m["fingerprint"],
-                               digest=hashlib.sha256(raw).hexdigest(), metadata=m.get("metadata", {}))
-        except (ValueError, KeyError) as e:
+        except ValueError as e:
             raise ArtifactError(f"{murl}: malformed manifest ({e})") from None
+        m = _check_manifest(m, murl)
+        digest = content_digest(m) if m.get("format", 1) >= 2 else hashlib.sha256(raw).hexdigest()
+        return ArtifactRef(url=fs.normalize_url(url), kind=m["kind"], fingerprint=m["fingerprint"],
+                           digest=digest, metadata=m.get("metadata", {})), m
 
     def manifest(self, ref: ArtifactRef) -> dict[str, Any]:
-        raw = fs.read_bytes(ref.file(MANIFEST))
-        if hashlib.sha256(raw).hexdigest() != ref.digest:
-            raise ArtifactError(f"{ref.file(MANIFEST)}: manifest changed since it was referenced")
-        return json.loads(raw)
+        """The manifest `ref` names; IntegrityError when its content is no longer the one `ref` was made from."""
+        now, m = self._load(ref.url)
+        if now.digest != ref.digest:
+            raise IntegrityError(f"{ref.file(MANIFEST)}: the artifact changed since it was referenced "
+                                 f"(digest {now.digest[:16]}, expected {ref.digest[:16]})")
+        return m
+
+    def audit(self, ref: ArtifactRef) -> list[Problem]:
+        """Every problem with the artifact's files: listed but missing, altered (sha256 or size), or present but
+        not listed. An empty list means every byte matches the manifest."""
+        m = self.manifest(ref)
+        listed = {**m.get("files", {}), **m.get("volatile", {})}
+        problems = []
+        for rel, meta in sorted(listed.items()):
+            try:
+                digest, size = _hash_url(ref.file(rel))
+            except FileNotFoundError:
+                problems.append(Problem("missing", rel, ref.file(rel)))
+                continue
+            if (digest, size) != (meta["sha256"], meta["size"]):
+                problems.append(Problem("altered", rel, ref.file(rel), f"sha256 {digest[:16]}, size {size}; the "
+                                        f"manifest says {meta['sha256'][:16]}, size {meta['size']}"))
+        base = fs.normalize_url(ref.url)
+        for url in fs.list_files(base, hidden=True):
+            rel = url[len(base):].lstrip("/")
+            if rel != MANIFEST and rel not in listed:
+                problems.append(Problem("extra", rel, url, "not in the manifest"))
+        return problems
 
     def verify(self, ref: ArtifactRef) -> None:
-        """Re-hash every file of the artifact against its manifest; raises ArtifactError on mismatch."""
-        for rel, meta in self.manifest(ref)["files"].items():
-            h = hashlib.sha256()
-            try:
-                with fs.open_url(ref.file(rel), "rb") as f:
-                    while block := f.read(1 << 20):
-                        h.update(block)
-            except FileNotFoundError:
-                raise ArtifactError(f"{ref.file(rel)}: listed in the manifest but missing") from None
-            if h.hexdigest() != meta["sha256"]:
-                raise ArtifactError(f"{ref.file(rel)}: sha256 does not match the manifest")
+        """Re-hash every file of the artifact against its manifest; IntegrityError naming the first problem."""
+        problems = self.audit(ref)
+        if problems:
+            raise IntegrityError(f"{problems[0]}" + (f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""))
 
     def fetch(self, ref: ArtifactRef) -> Path:
-        """A local folder with the artifact's files: the folder itself for `file://` stores, else a
-        digest-keyed cache that is filled once (and verified against the manifest while copying)."""
+        """A local folder with the artifact's files, every one checked against the manifest as it is read:
+        the folder itself for `file://` stores (re-hashed in place), else a digest-keyed cache that is filled
+        once (hashed while copying). A mismatch raises IntegrityError naming the file in the store."""
+        m = self.manifest(ref)
+        files = {**m.get("files", {}), **m.get("volatile", {})}
         local = fs.local_path(ref.url)
         if local is not None:
+            for rel, meta in files.items():
+                _expect(ref.file(rel), local / rel, meta)
             return local
         dest = self.cache_dir / ref.digest
         if (dest / ".complete").exists():
             return dest
         tmp = Path(tempfile.mkdtemp(prefix=f".{ref.digest[:12]}-", dir=self._mk_cache()))
         try:
-            for rel, meta in self.manifest(ref)["files"].items():
-                (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
-                fs.download_file(ref.file(rel), tmp / rel)
-                if sha256_file(tmp / rel) != meta["sha256"]:
-                    raise ArtifactError(f"{ref.file(rel)}: sha256 does not match the manifest")
+            targets = {rel: fs.local_file(tmp, rel, source=ref.file(MANIFEST)) for rel in files}
+            for rel, meta in files.items():
+                targets[rel].parent.mkdir(parents=True, exist_ok=True)
+                fs.download_file(ref.file(rel), targets[rel])
+                _expect(ref.file(rel), targets[rel], meta)
             (tmp / ".complete").touch()
             if dest.exists():
                 shutil.rmtree(dest)
@@ -208,28 +317,39 @@ class Store:
         config: dict[str, Any],
         inputs: Iterable[ArtifactRef] = (),
         metadata: dict[str, Any] | None = None,
+        volatile: Iterable[str] = (),
+        fence: Callable[[], None] | None = None,
     ) -> ArtifactRef:
-        """Upload `local_dir` to `<kind>/<fp>/` and write the manifest last. Returns the new ref."""
+        """Upload `local_dir` to `<kind>/<fp>/` and write the manifest last. Returns the new ref.
+
+        Files matching a `volatile` glob are measurements of this run (listed and hashed, left out of the
+        digest). `fence` is called just before the manifest is written and may raise to stop the commit
+        (a lease that was lost)."""
         prefix = self.prefix(kind, fp)
         existing = self.lookup(kind, fp)
         if existing is not None:
             return existing  # someone committed the same content first: content-addressed, so equal
         fs.rm(prefix)  # leftovers of an attempt that died before its manifest
         files: dict[str, dict[str, Any]] = {}
+        measured: dict[str, dict[str, Any]] = {}
+        volatile = tuple(volatile)
         for path in sorted(p for p in Path(local_dir).rglob("*") if p.is_file()):
             rel = path.relative_to(local_dir).as_posix()
             if rel == MANIFEST:
                 raise ArtifactError(f"{path}: a stage may not write its own {MANIFEST}")
-            files[rel] = {"sha256": sha256_file(path), "size": path.stat().st_size}
+            entry = {"sha256": sha256_file(path), "size": path.stat().st_size}
+            (measured if volatile_match(rel, volatile) else files)[rel] = entry
         if not files:
             raise ArtifactError(f"stage {kind} produced no files in {local_dir}")
-        for rel in files:
+        log.info("%s: uploading %d files to %s", kind, len(files) + len(measured), prefix)
+        for rel in (*files, *measured):
             fs.upload_file(Path(local_dir) / rel, fs.join(prefix, rel))
         manifest = {
             "format": FORMAT_VERSION,
             "kind": kind,
             "fingerprint": fp,
             "files": files,
+            "volatile": measured,
             "config": config,
             "inputs": [{"kind": i.kind, "url": i.url, "digest": i.digest} for i in inputs],
             "code_version": code_version(),
@@ -237,6 +357,9 @@ class Store:
             "created_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
             "metadata": metadata or {},
         }
+        manifest["digest"] = content_digest(manifest)
+        if fence is not None:
+            fence()
         fs.write_bytes(fs.join(prefix, MANIFEST), json.dumps(manifest, indent=1, sort_keys=True).encode())
         ref = self.load(prefix)
         assert ref is not None
@@ -256,3 +379,23 @@ class Store:
         except FileNotFoundError:
             return None
         return ArtifactRef.from_dict(body["ref"])
+
+
+def _hash_url(url: str) -> tuple[str, int]:
+    h, size = hashlib.sha256(), 0
+    with fs.open_url(url, "rb") as f:
+        while block := f.read(1 << 20):
+            h.update(block)
+            size += len(block)
+    return h.hexdigest(), size
+
+
+def _expect(url: str, local: Path, meta: dict[str, Any]) -> None:
+    """IntegrityError naming `url` (the file in the store) unless `local` holds the manifest's bytes."""
+    try:
+        ok = local.stat().st_size == meta["size"] and sha256_file(local) == meta["sha256"]
+    except FileNotFoundError:
+        raise IntegrityError(f"{url}: listed in the manifest but missing") from None
+    if not ok:
+        raise IntegrityError(f"{url}: sha256 does not match the manifest (the committed artifact is damaged; "
+                             f"`forgeline verify` lists every bad file)")

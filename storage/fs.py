@@ -13,9 +13,11 @@ Everything here works on whole URLs; `storage.artifacts` builds the commit proto
 
 from __future__ import annotations
 
+import errno
 import os
 import posixpath
 import shutil
+import uuid
 from pathlib import Path
 from typing import IO, Any
 
@@ -27,6 +29,10 @@ SCHEMES = ("file", "s3", "memory")
 
 class StorageKeyError(ValueError):
     """A key that would escape its store's root, or a URL with an unsupported scheme."""
+
+
+class StoreUnavailable(OSError):
+    """A store that cannot be used at all: unreachable, unwritable, or not a folder. Names the URL."""
 
 
 def scheme_of(url: str) -> str:
@@ -67,6 +73,8 @@ def join(url: str, key: str) -> str:
 
 def check_key(key: str) -> str:
     """Reject keys that escape the root they are joined to."""
+    if "\x00" in key:
+        raise StorageKeyError(f"storage key {key!r} contains a NUL byte")
     if "://" in key or key.startswith(("/", "\\")) or (len(key) > 1 and key[1] == ":"):
         raise StorageKeyError(f"storage key {key!r} must be relative to the store root")
     norm = posixpath.normpath(key.replace("\\", "/")) if key else ""
@@ -109,8 +117,73 @@ def write_bytes(url: str, data: bytes) -> None:
         f.write(data)
 
 
-def list_files(url: str) -> list[str]:
+def create_bytes(url: str, data: bytes) -> bool:
+    """Write `url` only if no object is there yet (S3 `If-None-Match: *`, O_EXCL locally): True when this
+    call created it, False when it already existed. The store's one compare-and-set, used by leases."""
+    fs_, path = _fs(url)
+    if scheme_of(url) == "s3":
+        try:
+            fs_.pipe_file(path, data, mode="create")
+        except FileExistsError:
+            return False
+        except OSError as e:  # servers that omit the failed condition's name come back as a plain EINVAL
+            code = getattr(getattr(e, "__cause__", None), "response", {}).get("Error", {}).get("Code")
+            if code in ("PreconditionFailed", "ConditionalRequestConflict"):
+                return False
+            raise
+        return True
+    parent = posixpath.dirname(path)
+    if parent:
+        fs_.makedirs(parent, exist_ok=True)
+    try:
+        with fs_.open(path, "xb") as f:
+            f.write(data)
+    except FileExistsError:
+        return False
+    return True
+
+
+def check_store(url: str) -> None:
+    """Fail fast, with one line naming `url`, when a store cannot hold artifacts: a `file://` path that is
+    a file or cannot be created or written, an S3 endpoint that does not answer, a bucket that is missing
+    or refuses these credentials. Writes and deletes one small probe object."""
+    url = normalize_url(url)
+    local = local_path(url)
+    if local is not None:
+        if local.exists() and not local.is_dir():
+            raise StoreUnavailable(errno.ENOTDIR, f"store {url} is not a folder")
+        try:
+            local.mkdir(parents=True, exist_ok=True)
+            probe = local / f".forgeline-probe-{uuid.uuid4().hex}"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as e:
+            raise StoreUnavailable(e.errno or errno.EACCES,
+                                   f"store {url} is not writable ({e.strerror or type(e).__name__})") from None
+        return
+    probe = join(url, f".forgeline-probe-{uuid.uuid4().hex}")
+    try:
+        if exists(url) and not is_dir(url):
+            raise StoreUnavailable(errno.ENOTDIR, f"store {url} is not a folder")
+        write_bytes(probe, b"")
+        rm(probe)
+    except StoreUnavailable:
+        raise
+    except PermissionError as e:
+        raise StoreUnavailable(errno.EACCES, f"store {url} refused the credentials ({_first_line(e)})") from None
+    except FileNotFoundError:
+        raise StoreUnavailable(errno.ENOENT, f"store {url}: no such bucket") from None
+    except Exception as e:  # botocore's connection errors are not OSErrors
+        raise StoreUnavailable(errno.EHOSTUNREACH, f"store {url} is unreachable ({_first_line(e)})") from None
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
+
+def list_files(url: str, *, hidden: bool = False) -> list[str]:
     """The URL itself if it is a file; every file under it if it is a folder; glob matches if it has `*`.
+    Files whose name starts with "." are left out unless `hidden`.
 
     Returns full URLs, sorted. Raises FileNotFoundError naming the URL when nothing is there.
     """
@@ -120,7 +193,9 @@ def list_files(url: str) -> list[str]:
     if "*" in path:
         found = [p for p in fs.glob(path) if fs.isfile(p)]
     elif fs.isdir(path):
-        found = [p for p in fs.find(path) if not posixpath.basename(p).startswith(".")]
+        # (some S3 servers keep an emptied folder as a marker object that find() reports as the folder itself)
+        found = [p for p in fs.find(path) if p.rstrip("/") != path.rstrip("/")
+                 and (hidden or not posixpath.basename(p).startswith("."))]
     elif fs.exists(path):
         found = [path]
     else:
@@ -165,15 +240,33 @@ def upload_file(local: str | Path, url: str) -> None:
 
 
 def download_dir(url: str, local_dir: str | Path) -> Path:
-    """Copy every file under the folder `url` into `local_dir` (created); returns `local_dir`."""
+    """Copy every file under the folder `url` into `local_dir` (created); returns `local_dir`.
+
+    The remote listing is not trusted: every key is checked (no `..`, no absolute path) before anything
+    is created locally, so a crafted bucket cannot write outside `local_dir`."""
     base = normalize_url(url)
     local_dir = Path(local_dir)
-    for file_url in list_files(base):
-        rel = file_url[len(base):].lstrip("/")
-        dest = local_dir / rel
+    files = [(file_url, local_file(local_dir, file_url[len(base):].lstrip("/"), source=base))
+             for file_url in list_files(base)]
+    for file_url, dest in files:
         dest.parent.mkdir(parents=True, exist_ok=True)
         download_file(file_url, dest)
     return local_dir
+
+
+def local_file(local_dir: Path, rel: str, *, source: str) -> Path:
+    """`local_dir / rel` for a key read from a listing or a manifest at `source`, refused (StorageKeyError
+    naming `source`) when the key is empty or would land outside `local_dir`."""
+    try:
+        check_key(rel)
+        dest, root = (local_dir / rel).resolve(), local_dir.resolve()
+        inside = bool(rel.strip("/")) and root in dest.parents
+    except (StorageKeyError, ValueError, OSError):
+        inside = False
+    if not inside:
+        raise StorageKeyError(f"{source}: refusing the listed key {rel!r}: it does not name a file inside the "
+                              f"folder (a crafted or broken listing)")
+    return local_dir / rel
 
 
 def download_file(url: str, local: str | Path) -> None:

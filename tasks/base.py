@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 import jax
 from flax import nnx
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from tokenizers import Tokenizer
 
 import models
@@ -46,6 +46,13 @@ class ModelShape(BaseModel):
     tie_word_embeddings: bool = False
     rope_theta: float = 10000.0
     max_position_embeddings: int = 2048
+
+    @model_validator(mode="after")
+    def _grouped_query(self) -> ModelShape:
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_attention_heads {self.num_attention_heads} is not a multiple of "
+                             f"num_key_value_heads {self.num_key_value_heads}")
+        return self
 
 
 class BaseConfig(BaseModel):
@@ -91,14 +98,48 @@ def pretrain(cfg: BaseConfig, data_dir: Path, out_dir: Path, *, checkpoints: Che
 
 
 def import_checkpoint(url: str, out_dir: Path) -> dict[str, Any]:
-    """Copy an HF checkpoint folder into the artifact after checking that it loads."""
+    """Copy an HF checkpoint folder into the artifact after checking everything the later stages read from
+    it: the config (a supported architecture and settings), every tensor (names, shapes, bytes), and a
+    tokenizer whose special tokens and vocabulary fit the model. Errors name the user's URL, never the local
+    copy; a checkpoint that fails is never committed. Pickle files (`*.bin`, `*.pt`) are never read."""
     local = out_dir / "model"
-    storage.download_dir(url, local)
+    try:
+        storage.download_dir(url, local)
+        return _check_import(url, local)
+    except (ValueError, NotImplementedError, KeyError) as e:
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ValueError(f"base.url: {msg.replace(str(local), storage.normalize_url(url))}") from None
+
+
+def _check_import(url: str, local: Path) -> dict[str, Any]:
+    from tokenizers import Tokenizer
+
+    from tasks.data_prep import find_special_tokens
+
     if not (local / "config.json").exists():
-        raise ValueError(f"base.url: {url} has no config.json (not an HF checkpoint folder)")
+        raise ValueError(f"{url} has no config.json (not an HF checkpoint folder)")
+    if not any(local.glob("*.safetensors")) and (any(local.glob("*.bin")) or any(local.glob("*.pt"))):
+        raise ValueError(f"{url} holds only pickle weights (*.bin/*.pt), which forgeline never loads: "
+                         "convert them to safetensors")
     if not (local / "tokenizer.json").exists():
-        raise ValueError(f"base.url: {url} has no tokenizer.json")
+        raise ValueError(f"{url} has no tokenizer.json")
     model = models.from_pretrained(str(local))  # raises ValueError naming a corrupt file or tensor
+    try:
+        tok = Tokenizer.from_file(str(local / "tokenizer.json"))
+    except Exception as e:  # the tokenizers library raises its own exception type
+        raise ValueError(f"{local / 'tokenizer.json'}: not a tokenizer ({str(e).splitlines()[0][:200]})") from None
+    tok_cfg = local / "tokenizer_config.json"
+    try:
+        given = json.loads(tok_cfg.read_text()) if tok_cfg.exists() else None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{tok_cfg}: not JSON ({e})") from None
+    try:
+        find_special_tokens(tok, given)
+    except ValueError as e:
+        raise ValueError(f"{local / 'tokenizer.json'}: {str(e).removeprefix('tokenizer: ')}") from None
+    vocab, rows = tok.get_vocab_size(with_added_tokens=True), model.config.vocab_size
+    if vocab > rows:
+        raise ValueError(f"{local / 'tokenizer.json'}: {vocab} tokens, but the model's embedding has {rows} rows")
     n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     return {"source": url, "params": int(n_params)}
 

@@ -2,7 +2,8 @@
 
 A stage runs as a plain process on a GPU node (no Prefect, no store): inputs and output are local
 folders, the config is the stage's schema plus `--set` overrides, the stats are printed as JSON.
-A bad config is one line on stderr and exit 2; a bad input one line and exit 1.
+A bad config is one line on stderr and exit 2; a bad input, an unsupported configuration or any other
+failure one line and exit 1 (the traceback goes to the log at DEBUG level, not to the terminal).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -18,6 +20,27 @@ from typing import Any
 from pydantic import BaseModel
 
 PATH = {"type": Path, "required": True}
+
+
+def configure_jax() -> None:
+    """Process-wide JAX settings for forgeline's entry points: a persistent compilation cache under the
+    user's cache folder (`$FORGELINE_CACHE/jax`, default ~/.cache/forgeline/jax), so a rerun after a crash,
+    a retry and every later stage process reuse compiled programs instead of compiling again. JAX keys the
+    entries on the program, the backend and the compiler options, so a cached program is the program that
+    would have been compiled. `JAX_COMPILATION_CACHE_DIR` overrides the folder; an empty value disables it."""
+    import jax
+
+    folder = os.environ.get("JAX_COMPILATION_CACHE_DIR")
+    if folder is None:
+        folder = str(Path(os.environ.get("FORGELINE_CACHE", Path.home() / ".cache" / "forgeline")) / "jax")
+    if folder and jax.config.jax_compilation_cache_dir is None:
+        jax.config.update("jax_compilation_cache_dir", folder)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
+
 OPTIONAL_PATH = {"type": Path}
 
 
@@ -41,10 +64,15 @@ def stage_main(doc: str, config_cls: type[BaseModel], args: dict[str, dict[str, 
     from tasks.distributed import initialize_from_env
     from tasks.train import TrainingDiverged
 
+    configure_jax()
     try:
         initialize_from_env()  # a no-op unless JAX_COORDINATOR_ADDRESS etc. describe a multi-host job
         stats = run(cfg, a)
-    except (ValueError, FileNotFoundError, TrainingDiverged) as e:
-        print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
+    except (ValueError, FileNotFoundError, PermissionError, NotImplementedError, TrainingDiverged) as e:
+        print(f"error: {_first_line(e)}", file=sys.stderr)
+        sys.exit(1)
+    except Exception as e:  # a library error (e.g. inside JAX): one line too, the traceback in the log
+        logging.getLogger("forgeline").debug("stage failed", exc_info=True)
+        print(f"error: {type(e).__name__}: {_first_line(e)}", file=sys.stderr)
         sys.exit(1)
     print(json.dumps(stats, indent=1, default=str))

@@ -226,10 +226,12 @@ def url_source(url: str, *, format: str = "auto", text_field: str = "text",
     except FileNotFoundError:
         raise ValueError(f"corpus: no such file or folder: {url}") from None
     names = _relative_names(url, files)
+    named_itself = len(files) == 1 and files[0].rstrip("/") == storage.normalize_url(url).rstrip("/")
     pairs = [
         (f, n) for f, n in zip(files, names, strict=True)
-        # folder listings: skip hidden files and markers such as _SUCCESS, .crc, .DS_Store
-        if not any(part.startswith((".", "_")) for part in n.split("/")) or len(files) == 1
+        # folder listings: skip hidden files and markers such as _SUCCESS, .crc, .DS_Store (a URL naming one
+        # such file reads it)
+        if named_itself or not any(part.startswith((".", "_")) for part in n.split("/"))
     ]
     if not pairs:
         raise ValueError(f"corpus: {url} is empty (no files)")

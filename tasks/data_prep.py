@@ -594,6 +594,24 @@ def _publish(work: Path, out_dir: Path) -> None:
         p.replace(out_dir / p.name)
 
 
+PREFLIGHT_DOCUMENTS = 10_000
+
+
+def check_corpus(cfg: DataPrepConfig, limit: int = PREFLIGHT_DOCUMENTS) -> int:
+    """Read and validate the first `limit` documents of the corpus, without tokenizing: an unknown builtin,
+    an unreadable file, a malformed record or an empty corpus raises ValueError naming the file (and line)
+    before any stage runs. The stage itself still reads everything; a bad record past `limit` fails there.
+    Returns the number of documents read."""
+    source = corpora.resolve(cfg.corpus, format=cfg.format, text_field=cfg.text_field,
+                             messages_field=cfg.messages_field)
+    if cfg.corpus.startswith("builtin://"):
+        return 0  # shipped with Python or a package: known good
+    docs = list(itertools.islice(source(), min(limit, cfg.max_documents or limit)))
+    if not any(d.messages or d.completion.strip() for d in docs):
+        raise ValueError(f"corpus: {cfg.corpus} is empty ({'no text in ' if docs else 'no '}documents)")
+    return len(docs)
+
+
 def run_local(cfg: DataPrepConfig, out_dir: Path, *, tokenizer_json: Path | str | None = None) -> dict:
     """The whole stage into a local folder; returns small JSON-able stats. Raises ValueError on bad input."""
     source = corpora.resolve(cfg.corpus, format=cfg.format, text_field=cfg.text_field,

@@ -14,8 +14,10 @@ Measured in one run, on the same held-out rows and prompts:
   temperature 0: mean acceptance length τ (tokens emitted per target verify forward), per-position
   acceptance, wall-clock speedup (tokens/s ratio; both decoders compiled before timing and timed
   alternately) and, at temperature 0, losslessness (the outputs must equal greedy decoding).
-Output: `report.json`, `report.md`. Gates are evaluated and recorded; the export stage refuses to
-publish a release whose gates failed.
+Output: `report.json` (what was measured about the models: deterministic), `timing.json` (wall-clock
+numbers: speedups, tokens/s, quantize seconds) and `report.md` (both, for people; `load_report` merges
+the two JSON files back). Gates are evaluated and recorded; the export stage refuses to publish a
+release whose gates failed.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import json
 import logging
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,13 +45,17 @@ from models.speculative import MTPDraft, speculative_generate
 from tasks.cli import OPTIONAL_PATH, PATH, stage_main
 from tasks.draft import draft_dir
 from tasks.finetune import model_dir
-from tasks.stage import StageContext
+from tasks.stage import StageContext, read_report, write_report
 from tasks.train import PackedBatches
 
 log = logging.getLogger("forgeline.evaluate")
 
 
 class Gates(BaseModel):
+    """What a release must pass before it is exported. A recipe declares them; `forgeline release --set`
+    may make one stricter, while loosening or disabling one takes `--allow-weaker-gates` and is recorded
+    as a waiver (`waivers`). At least one gate must be enabled."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     finetune_improves: bool = True  # fine-tuned held-out perplexity below the base's
@@ -56,6 +63,8 @@ class Gates(BaseModel):
     # or by its family (the name's first part: int8, w8a16, w4a16, fp8); the defaults are the issue's aims
     max_quant_ppl_increase: float | dict[str, float] = Field(
         default_factory=lambda: {"int8": 0.005, "w8a16": 0.005, "fp8": 0.003, "w4a16": 0.02})
+    speculative_lossless: bool = True
+    min_acceptance_length: float = Field(1.2, ge=0)  # 0 disables the gate
 
     def quant_limit(self, scheme: str) -> float:
         limits = self.max_quant_ppl_increase
@@ -66,8 +75,32 @@ class Gates(BaseModel):
                 return float(limits[key])
         raise ValueError(f"evaluate.gates.max_quant_ppl_increase has no limit for scheme {scheme!r} "
                          f"(keys: {sorted(limits)})")
-    speculative_lossless: bool = True
-    min_acceptance_length: float = Field(1.2, ge=0)
+
+    def enabled(self, schemes: list[str] | tuple[str, ...]) -> list[str]:
+        """The gates that will judge a release shipping `schemes` (empty: nothing would be checked)."""
+        on = [name for name in ("finetune_improves", "speculative_lossless") if getattr(self, name)]
+        on += ["min_acceptance_length"] if self.min_acceptance_length > 0 else []
+        return on + [f"max_quant_ppl_increase[{s}]" for s in schemes]
+
+    def waivers(self, declared: Gates, schemes: list[str] | tuple[str, ...]) -> list[dict[str, Any]]:
+        """Every way these gates are weaker than `declared`: a check switched off, a lower acceptance floor,
+        a larger perplexity allowance for a shipped scheme. [] when these are as strict or stricter."""
+        out = []
+        for name in ("finetune_improves", "speculative_lossless"):
+            if getattr(declared, name) and not getattr(self, name):
+                out.append({"gate": f"evaluate.gates.{name}", "declared": True, "effective": False})
+        if self.min_acceptance_length < declared.min_acceptance_length:
+            out.append({"gate": "evaluate.gates.min_acceptance_length", "declared": declared.min_acceptance_length,
+                        "effective": self.min_acceptance_length})
+        for scheme in schemes:
+            try:
+                was = declared.quant_limit(scheme)
+            except ValueError:
+                continue  # a scheme the command line added: its limit is new, not loosened
+            if self.quant_limit(scheme) > was:
+                out.append({"gate": f"evaluate.gates.max_quant_ppl_increase[{scheme}]", "declared": was,
+                            "effective": self.quant_limit(scheme)})
+        return out
 
 
 class EvalConfig(BaseModel):
@@ -88,6 +121,9 @@ class EvalConfig(BaseModel):
     spec_target: str = "finetuned"  # the model the draft serves with: "finetuned" or a quantized scheme
     seed: int = 0
     gates: Gates = Gates()
+    # The recipe's own gates when the command line loosened them (`--allow-weaker-gates`): the report lists
+    # the waivers and says whether the release also passed the gates as declared.
+    declared_gates: Gates | None = None
 
     @model_validator(mode="after")
     def _check(self) -> EvalConfig:
@@ -253,6 +289,7 @@ def draft_report(target: nnx.Module, draft: nnx.Module, prompts: list[np.ndarray
 
 
 def gates(report: dict[str, Any], g: Gates) -> list[dict[str, Any]]:
+    """Each enabled gate judged on the report: {gate, value, threshold, passed}."""
     ppl = report["perplexity"]
     out = []
     if g.finetune_improves and "base" in ppl:
@@ -268,8 +305,25 @@ def gates(report: dict[str, Any], g: Gates) -> list[dict[str, Any]]:
         if g.speculative_lossless:
             out.append({"gate": "speculative decoding identical to greedy", "value": d["mismatched_rows"],
                         "threshold": 0, "passed": bool(d["lossless"])})
-        out.append({"gate": "draft acceptance length (greedy, chain)", "value": d["acceptance_length"],
-                    "threshold": g.min_acceptance_length, "passed": d["acceptance_length"] >= g.min_acceptance_length})
+        if g.min_acceptance_length > 0:
+            out.append({"gate": "draft acceptance length (greedy, chain)", "value": d["acceptance_length"],
+                        "threshold": g.min_acceptance_length,
+                        "passed": d["acceptance_length"] >= g.min_acceptance_length})
+    return out
+
+
+def judge(report: dict[str, Any], cfg: EvalConfig) -> dict[str, Any]:
+    """The report's gate section: `gates` and `passed` under the gates in force; with a waiver, also the
+    `waivers` and `passed_as_declared` (the recipe's own gates, which decide whether the release pointer
+    moves). No gate at all is an error, never a pass."""
+    judged = gates(report, cfg.gates)
+    if not judged:
+        raise ValueError("evaluate.gates: no gate applies to this release (enable at least one)")
+    out: dict[str, Any] = {"gates": judged, "passed": all(g["passed"] for g in judged), "waivers": []}
+    if cfg.declared_gates is not None:
+        out["waivers"] = cfg.gates.waivers(cfg.declared_gates, list(report["quantization"]))
+        out["declared_gates"] = gates(report, cfg.declared_gates)
+    out["passed_as_declared"] = all(g["passed"] for g in out.get("declared_gates", judged))
     return out
 
 
@@ -303,6 +357,13 @@ def markdown(report: dict[str, Any]) -> str:
     lines += ["", "## Gates", "", "| gate | value | threshold | passed |", "|---|---|---|---|"]
     lines += [f"| {g['gate']} | {g['value']:.4g} | {g['threshold']:.4g} | {'yes' if g['passed'] else '**NO**'} |"
               for g in report["gates"]]
+    if report.get("waivers"):
+        lines += ["", "## Waivers", "", "The command line loosened gates the recipe declares "
+                  "(`--allow-weaker-gates`). "
+                  + ("The release also passes the gates as declared." if report["passed_as_declared"] else
+                     "**The release fails the gates as declared: it is exported but not promoted.**"), "",
+                  "| gate | declared | in force |", "|---|---|---|"]
+        lines += [f"| {w['gate']} | {w['declared']} | {w['effective']} |" for w in report["waivers"]]
     return "\n".join(lines) + "\n"
 
 
@@ -324,7 +385,7 @@ def evaluate(cfg: EvalConfig, *, base: Path | None, finetuned: Path, quantized: 
             served = qmodel  # the model speculative decoding is measured against, loaded once
         report["perplexity"][scheme] = p = perplexity(qmodel, batches)
         made = qdir / "quantization_report.json"  # what the quantize stage measured: bytes on disk, time
-        made = json.loads(made.read_text()) if made.exists() else {}
+        made = read_report(lambda n, q=qdir: (q / n).read_bytes(), made.name) if made.exists() else {}
         report["quantization"][scheme] = {
             "perplexity": p, "perplexity_increase": p / report["perplexity"]["finetuned"] - 1,
             **agreement(target, qmodel, batches),
@@ -340,15 +401,19 @@ def evaluate(cfg: EvalConfig, *, base: Path | None, finetuned: Path, quantized: 
             report["draft"] = {**draft_report(served, eagle, prompts, cfg, eos), "target": cfg.spec_target}
         if getattr(served, "num_mtp_layers", 0):  # DeepSeek-V3 / GLM-4.5: the built-in MTP head as a draft
             report["mtp"] = draft_report(served, MTPDraft(served), prompts, cfg, eos)
-    report["gates"] = gates(report, cfg.gates)
-    report["passed"] = all(g["passed"] for g in report["gates"])
+    report |= judge(report, cfg)
     report["eval_tokens"] = int(sum(b["loss_mask"].sum() for b in batches))
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "report.json").write_text(json.dumps(report, indent=1))
+    write_report(out_dir / "report.json", report)  # the wall-clock numbers go to timing.json
     (out_dir / "report.md").write_text(markdown(report))
     log.info("evaluate:\n%s", markdown(report))
     return {"passed": report["passed"], "perplexity": report["perplexity"],
             "acceptance_length": report.get("draft", {}).get("acceptance_length")}
+
+
+def load_report(read: Callable[[str], bytes]) -> dict[str, Any]:
+    """The full report, timings merged in; `read(name)` returns a file of the evaluate artifact."""
+    return read_report(read, "report.json")
 
 
 def compute(cfg: EvalConfig):

@@ -8,7 +8,7 @@
                           (vLLM speculators Eagle3Speculator), draft_config.json
       quantized/<scheme>/ compressed-tensors checkpoints
       eval/               report.json, report.md
-      lineage.json        recipe, stage fingerprints and artifact digests, git SHA, code version
+      lineage.json        recipe, stage fingerprints, digests and store keys, waivers, git SHA, code version
       README.md           the model card with the eval table
       manifest.json       every file's sha256 and size + the lineage (written last, by the store)
 """
@@ -27,7 +27,7 @@ from tasks.stage import StageContext
 
 
 class GateError(RuntimeError):
-    """The release failed an eval gate; nothing is exported."""
+    """The release failed an eval gate in force; nothing is exported."""
 
 
 class ExportConfig(BaseModel):
@@ -39,7 +39,8 @@ class ExportConfig(BaseModel):
 
 
 def _copytree(src: Path, dst: Path) -> None:
-    shutil.copytree(src, dst, ignore=shutil.ignore_patterns(".complete"))
+    """A copy of an input artifact's folder, without its manifest (lineage.json names it by digest)."""
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns(".complete", "manifest.json"))
 
 
 def model_card(cfg: ExportConfig, report_md: str, lineage: dict[str, Any], has_adapter: bool,
@@ -51,6 +52,14 @@ def model_card(cfg: ExportConfig, report_md: str, lineage: dict[str, Any], has_a
         f"# {cfg.name}", "",
         f"Released by forgeline from {base}, fine-tuned ({ft.get('mode', '?')}) on "
         f"`{cfg.recipe.get('data', {}).get('corpus', '?')}`.", "",
+    ]
+    if lineage["waivers"]:
+        verdict = ("it also passes them as declared" if lineage["gates_passed_as_declared"]
+                   else "**it fails them as declared and is not the promoted release**")
+        lines += ["> **Waivers:** released with gates loosened on the command line ("
+                  + "; ".join(f"`{w['gate']}` {w['declared']} → {w['effective']}" for w in lineage["waivers"])
+                  + f"); {verdict}.", ""]
+    lines += [
         "## Contents", "",
         "| path | what |", "|---|---|",
         "| `model/` | merged weights, HF layout (`AutoModelForCausalLM.from_pretrained('model')`) |",
@@ -70,12 +79,14 @@ def model_card(cfg: ExportConfig, report_md: str, lineage: dict[str, Any], has_a
     lines += ["| `eval/` | report.json, report.md |", "| `lineage.json` | what produced every file |", ""]
     lines += [report_md.replace("# Evaluation report", "## Evaluation").strip(), "",
               "## Lineage", "", f"- git SHA: `{lineage['git_sha']}`", f"- code version: `{lineage['code_version']}`"]
-    lines += [f"- {k}: `{v['fingerprint']}` (manifest sha256 `{v['digest'][:16]}…`)"
+    lines += [f"- {k}: `{v['fingerprint']}` (content digest `{v['digest'][:16]}…`)"
               for k, v in lineage["stages"].items()]
     return "\n".join(lines) + "\n"
 
 
 def export(cfg: ExportConfig, ctx: StageContext) -> dict[str, Any]:
+    """The bundle, when the gates in force passed (GateError otherwise). Lineage names every input by its
+    key in the store (not its URL), so a bundle reads the same wherever its store is."""
     out, inp = ctx.out_dir, ctx.inputs
     report = json.loads((inp["evaluate"] / "report.json").read_text())
     failed = [g["gate"] for g in report["gates"] if not g["passed"]]
@@ -93,14 +104,18 @@ def export(cfg: ExportConfig, ctx: StageContext) -> dict[str, Any]:
     _copytree(inp["evaluate"], out / "eval")
     lineage = {
         "name": cfg.name, "recipe": cfg.recipe, "git_sha": git_sha(), "code_version": code_version(),
-        "stages": {k: {"kind": r.kind, "fingerprint": r.fingerprint, "digest": r.digest, "url": r.url}
+        "stages": {k: {"kind": r.kind, "fingerprint": r.fingerprint, "digest": r.digest,
+                       "key": ctx.store.key_of(r.url) if ctx.store is not None else r.url}
                    for k, r in ctx.refs.items()},
         "gates_passed": not failed,
+        "gates_passed_as_declared": report.get("passed_as_declared", not failed),
+        "waivers": report.get("waivers", []),
     }
     (out / "lineage.json").write_text(json.dumps(lineage, indent=1))
     (out / "README.md").write_text(model_card(cfg, (inp["evaluate"] / "report.md").read_text(), lineage,
                                               has_adapter, schemes))
-    return {"name": cfg.name, "gates_passed": not failed, "schemes": schemes, "adapter": has_adapter,
+    return {"name": cfg.name, "gates_passed": not failed, "waivers": len(lineage["waivers"]),
+            "schemes": schemes, "adapter": has_adapter,
             "stages": {k: v["fingerprint"] for k, v in lineage["stages"].items()}}
 
 

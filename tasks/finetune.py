@@ -92,9 +92,11 @@ def compute(cfg: FinetuneConfig, progress: Progress | None = None):
         ckpt = Checkpoints(work_root() / "ckpt" / ctx.kind / ctx.fingerprint, ctx.store,
                            f"{ctx.kind}/{ctx.fingerprint}", keep=cfg.train.keep_checkpoints)
         base = model_dir(ctx.inputs["base"])
-        # the adapter names the base checkpoint by its store URL (the HF folder inside the artifact)
+        # the adapter names the base checkpoint by its key in the store (the HF folder inside the artifact),
+        # not its URL: the same bytes wherever the store lives
         sub = base.relative_to(ctx.inputs["base"]).as_posix()
         base_url = ctx.refs["base"].url if sub == "." else storage.join(ctx.refs["base"].url, sub)
+        base_url = ctx.store.key_of(base_url)
         try:
             return finetune(cfg, base, ctx.inputs["data"], ctx.out_dir, checkpoints=ckpt, progress=progress,
                             base_name=base_url)

@@ -16,7 +16,6 @@ AWQ folds; bytes; seconds) and `quant_error.svg` (the per-layer error plot that 
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import shutil
@@ -30,7 +29,7 @@ import models
 from models import quant
 from tasks.cli import PATH, stage_main
 from tasks.finetune import model_dir
-from tasks.stage import StageContext
+from tasks.stage import StageContext, write_report
 from tasks.train import PackedBatches
 
 log = logging.getLogger("forgeline.quantize")
@@ -160,7 +159,7 @@ def quantize(cfg: QuantizeConfig, model_path: Path, data_dir: Path, out_dir: Pat
             "max_output_error": float(np.max(errors)),
             "fallbacks": sum("fallback" in r for r in report["modules"]),
         }
-        (dest / "quantization_report.json").write_text(json.dumps({**summary, **report}, indent=1))
+        write_report(dest / "quantization_report.json", {**summary, **report})  # seconds: timing.json
         plot = error_plot_svg(report["modules"], f"{name}: per-module quantization error")
         (dest / "quant_error.svg").write_text(plot)
         stats[name] = summary

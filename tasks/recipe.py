@@ -54,13 +54,27 @@ class ReleaseConfig(BaseModel):
     # The model the release serves and the draft is trained and measured against: the fine-tuned
     # weights or one of `quantize.schemes` (a quantized target shifts the distribution the draft must match).
     serve: str = "finetuned"
+    # Gates the command line loosened (`load_release(..., allow_weaker_gates=True)`); set by forgeline, never
+    # by a recipe: {gate, declared, effective} each.
+    waivers: tuple[dict[str, Any], ...] = ()
 
     @model_validator(mode="after")
     def _serve_known(self) -> ReleaseConfig:
         if self.serve != "finetuned" and self.serve not in self.quantize.schemes:
             raise ValueError(f"serve {self.serve!r} is neither 'finetuned' nor one of quantize.schemes "
                              f"{list(self.quantize.schemes)}")
+        if not self.evaluate.gates.enabled(self.quantize.schemes):
+            raise ValueError("evaluate.gates: no gate is enabled, so nothing would stand between a release and its "
+                             "users (enable finetune_improves, speculative_lossless, min_acceptance_length > 0 or "
+                             "ship a quantize scheme)")
         return self
+
+    def refresh_ratio_declared(self) -> float:
+        """The draft refresh's promotion threshold as the recipe declares it (a waiver may lower the one in force)."""
+        for w in self.waivers:
+            if w["gate"] == "refresh.min_acceptance_ratio":
+                return float(w["declared"])
+        return self.refresh.min_acceptance_ratio
 
     def served(self, section: str) -> BaseModel:
         """A stage's config with its served-model field set from `serve`."""
@@ -75,7 +89,10 @@ def _one_line(e: ValidationError, source: str) -> ConfigError:
         return ConfigError(f"{source}: unknown key '{key}'")
     got = f" (got {err['input']!r})" if "input" in err and not isinstance(err["input"], dict) else ""
     more = f" (+{len(e.errors()) - 1} more)" if len(e.errors()) > 1 else ""
-    return ConfigError(f"{source}: {key}: {err['msg']}{got}{more}")
+    msg = err["msg"].removeprefix("Value error, ")
+    if err["type"] == "value_error":  # a validator's own message says what was wrong; the input is the section
+        got = ""
+    return ConfigError(f"{source}: {key + ': ' if key else ''}{msg}{got}{more}")
 
 
 def validate(cls: type[M], data: dict[str, Any], source: str) -> M:
@@ -154,4 +171,37 @@ def _recipe_data(name_or_file: str, seen: tuple[Path, ...] = ()) -> tuple[Path, 
 def load_recipe(name_or_file: str = "tiny", overrides: list[str] | None = None) -> ReleaseConfig:
     path, data = _recipe_data(name_or_file)
     data = deep_merge(data, parse_overrides(overrides or []))
+    for key, section in (("waivers", data), ("evaluate.declared_gates", data.get("evaluate"))):
+        if isinstance(section, dict) and key.rsplit(".", 1)[-1] in section:
+            raise ConfigError(f"recipe {path.name}: '{key}' is recorded by forgeline, not set by a recipe or --set")
     return validate(ReleaseConfig, data, f"recipe {path.name}")
+
+
+def gate_waivers(declared: ReleaseConfig, effective: ReleaseConfig) -> list[dict[str, Any]]:
+    """Every gate `effective` (the recipe plus command-line overrides) holds less strictly than `declared`
+    (the recipe alone): the release's eval gates and the draft refresh's promotion ratio."""
+    out = effective.evaluate.gates.waivers(declared.evaluate.gates, effective.quantize.schemes)
+    if effective.refresh.min_acceptance_ratio < declared.refresh.min_acceptance_ratio:
+        out.append({"gate": "refresh.min_acceptance_ratio", "declared": declared.refresh.min_acceptance_ratio,
+                    "effective": effective.refresh.min_acceptance_ratio})
+    return out
+
+
+def load_release(name_or_file: str = "tiny", overrides: list[str] | None = None, *,
+                 allow_weaker_gates: bool = False) -> ReleaseConfig:
+    """The recipe with its overrides, as a release runs it. An override may make a gate stricter; one that
+    loosens or disables a gate is a ConfigError unless `allow_weaker_gates`, and is then recorded in
+    `waivers` (and the recipe's own gates in `evaluate.declared_gates`, so the report judges both)."""
+    effective = load_recipe(name_or_file, overrides)
+    waivers = gate_waivers(load_recipe(name_or_file), effective) if overrides else []
+    if not waivers:
+        return effective
+    if not allow_weaker_gates:
+        w = waivers[0]
+        more = f" (and {len(waivers) - 1} more)" if len(waivers) > 1 else ""
+        raise ConfigError(f"--set {w['gate']}: {w['effective']} is weaker than the recipe's {w['declared']}{more}; "
+                          f"pass --allow-weaker-gates to release anyway (recorded as a waiver, the release "
+                          f"pointer then moves only if the declared gates pass)")
+    declared = load_recipe(name_or_file).evaluate.gates
+    evaluate = effective.evaluate.model_copy(update={"declared_gates": declared})
+    return effective.model_copy(update={"evaluate": evaluate, "waivers": tuple(waivers)})

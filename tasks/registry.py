@@ -61,7 +61,10 @@ def fingerprint(kind: str, config: Mapping[str, Any], inputs: Mapping[str, Artif
 
 
 def run(store: Store, kind: str, config: Mapping[str, Any], inputs: Mapping[str, ArtifactRef], *,
-        salt: Mapping[str, Any] | None = None, progress: Progress | None = None, force: bool = False) -> ArtifactRef:
-    """Run one stage by name (skipped when its fingerprint is already committed)."""
+        salt: Mapping[str, Any] | None = None, progress: Progress | None = None, force: bool = False,
+        on_compute: Callable[[], None] | None = None) -> ArtifactRef:
+    """Run one stage by name (skipped when its fingerprint is already committed; `on_compute` is called
+    when this process, rather than another one holding the stage's lease, computes it)."""
     cfg = parse_config(kind, config)
-    return run_stage(store, kind, _fp_config(cfg, salt), inputs, STAGES[kind][1](cfg, progress), force=force)
+    return run_stage(store, kind, _fp_config(cfg, salt), inputs, STAGES[kind][1](cfg, progress), force=force,
+                     on_compute=on_compute)

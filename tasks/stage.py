@@ -1,14 +1,21 @@
-"""The one way a stage runs: fingerprint -> skip if committed -> fetch inputs -> compute locally ->
-commit (files first, manifest last).
+"""The one way a stage runs: fingerprint -> skip if committed -> take the stage's lease (or wait for the
+process that holds it) -> fetch inputs (checked against their manifests) -> compute locally -> commit
+(files first, manifest last, only while the lease is still held).
 
 Pipeline steps are plain functions at hashed paths, as in marin: a stage's output address is the
-fingerprint of (stage kind, canonical config, code version, input manifest digests), so a re-run of
-a release finds every finished stage already committed and skips it, and a failed stage leaves no
-manifest behind, so nothing half-written is visible to readers.
+fingerprint of (stage kind, canonical config, code version, input digests), so a re-run of a release
+finds every finished stage already committed and skips it, a failed stage leaves no manifest behind
+(nothing half-written is visible to readers), and two releases started together compute each stage
+once: the second waits on the first's lease and then reads its commit.
+
+Measurements of one run -- wall-clock timings and logs -- go in files matching `VOLATILE`: they are
+committed and hashed like any file but stay out of the artifact's digest, so recomputing a stage that
+yields the same bytes (after a crash, on another worker) keeps every downstream fingerprint.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -22,10 +29,13 @@ from typing import Any
 from pydantic import BaseModel
 
 import storage
-from storage import ArtifactRef, Store, fingerprint
+from storage import ArtifactRef, Lease, LeaseLost, Store, fingerprint
 
 log = logging.getLogger("forgeline.stage")
 
+# Files that record how a run went rather than what it computed (storage.artifacts: "volatile").
+VOLATILE = ("tensorboard/*", "*timing.json", "*report.md", "README.md")
+POLL_SECONDS = 2.0  # how often a stage waiting on another process's lease looks for its commit
 
 
 @dataclass(frozen=True)
@@ -42,6 +52,52 @@ class StageContext:
 
 
 Compute = Callable[[StageContext], dict[str, Any]]
+
+
+def is_measurement(key: str) -> bool:
+    """Wall-clock numbers of one run: seconds, rates, speedups."""
+    return key == "speedup" or key.endswith(("seconds", "_per_s"))
+
+
+def split_measurements(report: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(results, timings): the same nested mappings with every wall-clock measurement moved to the second."""
+    results, timings = {}, {}
+    for key, value in report.items():
+        if is_measurement(key):
+            timings[key] = value
+        elif isinstance(value, dict):
+            results[key], inner = split_measurements(value)
+            if inner:
+                timings[key] = inner
+        else:
+            results[key] = value
+    return results, timings
+
+
+def with_measurements(results: dict[str, Any], timings: dict[str, Any]) -> dict[str, Any]:
+    """`split_measurements` undone."""
+    out = dict(results)
+    for key, value in timings.items():
+        out[key] = with_measurements(out.get(key, {}), value) if isinstance(value, dict) else value
+    return out
+
+
+def write_report(path: Path, report: dict[str, Any]) -> None:
+    """`path` (JSON) gets the results, `timing.json` beside it the timings (a volatile file)."""
+    results, timings = split_measurements(report)
+    path.write_text(json.dumps(results, indent=1) + "\n")
+    if timings:
+        (path.parent / "timing.json").write_text(json.dumps(timings, indent=1) + "\n")
+
+
+def read_report(read: Callable[[str], bytes], name: str) -> dict[str, Any]:
+    """A report written by `write_report`, timings merged back; `read(file name)` reads from its folder."""
+    results = json.loads(read(name))
+    try:
+        timings = json.loads(read("timing.json"))
+    except FileNotFoundError:
+        return results
+    return with_measurements(results, timings)
 
 
 def config_dict(config: BaseModel | Mapping[str, Any]) -> dict[str, Any]:
@@ -67,12 +123,51 @@ def run_stage(
     compute: Compute,
     *,
     force: bool = False,
+    on_compute: Callable[[], None] | None = None,
 ) -> ArtifactRef:
-    """Run `compute(ctx) -> metadata` unless `<kind>/<fingerprint>` is already committed."""
+    """Run `compute(ctx) -> metadata` unless `<kind>/<fingerprint>` is already committed; while another
+    process holds the stage's lease, wait for its commit (or for its lease to lapse) instead."""
     fp = stage_fingerprint(kind, config, inputs)
-    if not force and (done := store.lookup(kind, fp)) is not None:
-        log.info("%s: already committed at %s, skipping", kind, done.url)
-        return done
+    while True:
+        if not force and (done := store.lookup(kind, fp)) is not None:
+            log.info("%s: already committed at %s, skipping", kind, done.url)
+            return done
+        lease = store.lease(kind, fp)
+        if not _take(lease, lambda: not force and store.lookup(kind, fp) is not None):
+            continue  # another process committed it while we waited: return its artifact
+        try:
+            if not force and (done := store.lookup(kind, fp)) is not None:
+                lease.release(remove=True)
+                return done
+            if on_compute is not None:
+                on_compute()
+            ref = _compute_and_commit(store, kind, fp, config, inputs, compute, lease)
+        except LeaseLost as e:  # we stalled past the expiry and another process took over: wait for it
+            log.warning("%s: %s", kind, e)
+            lease.release()
+            continue
+        except BaseException:
+            lease.release()
+            raise
+        lease.release(remove=True)
+        return ref
+
+
+def _take(lease: Lease, committed: Callable[[], bool]) -> bool:
+    """Take `lease`, waiting while another process holds it; False as soon as `committed()` says that
+    the other process finished the work."""
+    if lease.try_acquire():
+        return True
+    log.info("%s is held by %s; waiting for its commit", lease.folder, lease.describe(lease.current()[1]))
+    while not lease.try_acquire():
+        if committed():
+            return False
+        time.sleep(POLL_SECONDS)
+    return True
+
+
+def _compute_and_commit(store: Store, kind: str, fp: str, config: BaseModel | Mapping[str, Any],
+                        inputs: Mapping[str, ArtifactRef], compute: Compute, lease: Lease) -> ArtifactRef:
     local_inputs = {name: store.fetch(ref) for name, ref in inputs.items()}
     staging = Path(tempfile.mkdtemp(prefix=f"{kind}-{fp[:8]}-", dir=work_root()))
     try:
@@ -81,7 +176,8 @@ def run_stage(
         ctx = StageContext(kind, fp, staging, local_inputs, dict(inputs), store)
         metadata = compute(ctx) or {}
         metadata = {**metadata, "seconds": round(time.perf_counter() - t0, 2)}
-        ref = store.commit(staging, kind, fp, config=config_dict(config), inputs=inputs.values(), metadata=metadata)
+        ref = store.commit(staging, kind, fp, config=config_dict(config), inputs=inputs.values(), metadata=metadata,
+                           volatile=VOLATILE, fence=lease.check)
         # The committed artifact supersedes the stage's resumable side state (training checkpoints,
         # finished trace shards): without this, offline hidden states would sit in the store twice.
         storage.rm(store.url(f"checkpoints/{kind}/{fp}"))

@@ -69,7 +69,7 @@ from models.hf import NUMPY_DTYPES, read_safetensors_header
 from tasks.cli import PATH, stage_main
 from tasks.data_prep import ROW_SCHEMA
 from tasks.finetune import model_dir
-from tasks.stage import StageContext
+from tasks.stage import StageContext, write_report
 from tasks.train import COLUMNS
 
 log = logging.getLogger("forgeline.traces")
@@ -392,8 +392,8 @@ class ShardCheckpoints:
         if marker.get("key") != key:
             log.warning("traces: %s in %s was made with other settings; regenerating it", shard, self.remote)
             return None
-        for rel, info in marker["files"].items():
-            dest = self.out_dir / rel
+        for rel, info in marker["files"].items():  # keys from the store: checked to stay inside out_dir
+            dest = storage.local_file(self.out_dir, rel, source=storage.join(self.remote, f"{shard}.done.json"))
             storage.download_file(storage.join(self.remote, rel), _tmp(dest))
             if storage.sha256_file(_tmp(dest)) != info["sha256"]:
                 _tmp(dest).unlink()
@@ -573,7 +573,7 @@ def traces(cfg: TracesConfig, model_path: Path, data_dir: Path, out_dir: Path, *
                                  if cfg.hidden_states == "offline" else []) for split in SPLITS},
         "reused_shards": reused["local"] + reused["store"],
     }
-    (out_dir / "traces.json").write_text(json.dumps(report, indent=1) + "\n")
+    write_report(out_dir / "traces.json", report)  # generation times go to timing.json
     if checkpoint_url is not None:  # the store holds the progress; the committed output stays clean
         shutil.rmtree(out_dir / PROGRESS_DIR, ignore_errors=True)
     return {

@@ -17,6 +17,12 @@ if str(ROOT) not in sys.path:
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
 
+# JAX's persistent compilation cache (~/.cache/forgeline/jax, as the forgeline commands use): tests and the
+# command-line processes they start compile the same programs many times over.
+from tasks.cli import configure_jax  # noqa: E402
+
+configure_jax()
+
 
 @pytest.fixture(scope="session")
 def s3_env(tmp_path_factory):
@@ -37,21 +43,9 @@ def s3_env(tmp_path_factory):
                     os.environ[k] = v
 
 
-# Overrides that shrink the default recipe to a CPU-friendly smoke size (about a minute end to end):
-# every stage still does the real thing on real text, on a 2-layer d=64 base.
-TINY_RELEASE = [
-    "base.model.hidden_size=64", "base.model.intermediate_size=128", "base.model.num_hidden_layers=2",
-    "base.model.num_attention_heads=4", "base.model.num_key_value_heads=2", "base.train.steps=20",
-    "base.data.max_documents=60", "base.data.vocab_size=1024", "data.max_documents=400",
-    "finetune.train.steps=10", "traces.num_prompts=32", "traces.max_new_tokens=16", "draft.train.steps=10",
-    "draft.train.batch_size=4", "draft.ttt_steps=3", "draft.draft_vocab_size=512",
-    "evaluate.eval_batches=2", "evaluate.spec_prompts=2", "evaluate.spec_max_new_tokens=16",
-    "evaluate.gates.min_acceptance_length=0", "refresh.traces.num_prompts=16", "refresh.traces.skip_prompts=32",
-    "refresh.traces.max_new_tokens=16", "refresh.draft.train.steps=5", "refresh.draft.train.batch_size=4",
-    "refresh.draft.ttt_steps=3", "refresh.data.max_documents=400",
-    # the release serves its int8 variant: traces, draft training and speculative eval run against it
-    "serve=int8",
-]
+# The default recipe shrunk to a CPU smoke size (about a minute end to end), with its own declared gates.
+SMOKE = str(ROOT / "tests" / "recipes" / "smoke.yaml")
+SMOKE_MOE = str(ROOT / "tests" / "recipes" / "smoke-moe.yaml")
 
 
 @pytest.fixture(scope="session")
@@ -61,6 +55,30 @@ def prefect_harness():
 
     with prefect_test_harness(server_startup_timeout=90):
         yield
+
+
+def release_with_events(store: str, recipe: str = SMOKE) -> tuple[str, list]:
+    """Run the release flow in this process and collect the stage events it announces."""
+    from flows.release import release
+    from flows.stages import LISTENERS
+
+    events: list = []
+    LISTENERS.append(events.append)
+    try:
+        return release(recipe=recipe, store=store), events
+    finally:
+        LISTENERS.remove(events.append)
+
+
+@pytest.fixture(scope="session")
+def released(s3_env, prefect_harness):
+    """(store, bundle URL, stage events): the smoke release, uninterrupted, against the S3 server. The
+    integration tests read its bundle; the fault tests compare their bundles' digests with it."""
+    import uuid
+
+    store = f"s3://forgeline/it-{uuid.uuid4().hex[:8]}"
+    url, events = release_with_events(store)
+    return store, url, events
 
 
 @pytest.fixture(scope="session")

@@ -6,18 +6,19 @@ refresh promotes only through its pointer."""
 from __future__ import annotations
 
 import json
-import uuid
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 import storage
 from storage import Store
-from tests.conftest import TINY_RELEASE
+from tasks.recipe import load_recipe
+from tests.conftest import SMOKE, release_with_events
 
 pytestmark = pytest.mark.integration
 
-BUNDLE_FILES = [
+BUNDLE_FILES = [  # (eval/timing.json and the model card are volatile: hashed, outside the digest)
     "model/config.json", "model/tokenizer.json", "model/tokenizer_config.json", "model/generation_config.json",
     "adapter/adapter_config.json",
     "adapter/adapter_model.safetensors", "draft/sglang/config.json", "draft/sglang/model.safetensors",
@@ -25,29 +26,9 @@ BUNDLE_FILES = [
     "quantized/int8/config.json", "quantized/w4a16-gptq-g64/config.json",
     "quantized/w4a16-gptq-g64/model.safetensors", "quantized/w4a16-gptq-g64/quant_error.svg",
     "quantized/w4a16-gptq-g64/quantization_report.json", "quantized/w4a16-gptq-g64/tokenizer.json",
-    "eval/report.json", "eval/report.md", "README.md", "lineage.json",
+    "eval/report.json", "eval/timing.json", "eval/report.md", "README.md", "lineage.json",
     "manifest.json",
 ]
-
-
-def _release_with_events(store: str) -> tuple[str, list]:
-    """Run the release flow and collect the stage events it announces."""
-    from flows.release import release
-    from flows.stages import LISTENERS
-
-    events: list = []
-    LISTENERS.append(events.append)
-    try:
-        return release(recipe="tiny", overrides=TINY_RELEASE, store=store), events
-    finally:
-        LISTENERS.remove(events.append)
-
-
-@pytest.fixture(scope="module")
-def released(s3_env, prefect_harness, tmp_path_factory):
-    store = f"s3://forgeline/it-{uuid.uuid4().hex[:8]}"
-    url, events = _release_with_events(store)
-    return store, url, events
 
 
 def test_bundle_layout_and_manifest(released, tmp_path):
@@ -66,7 +47,7 @@ def test_bundle_layout_and_manifest(released, tmp_path):
     assert set(lineage["stages"]) == {"base", "data", "finetune", "traces", "draft", "quant", "evaluate"}
     assert lineage["recipe"]["name"] == "forgeline-tiny" and lineage["gates_passed"] is True
     for stage in ("traces", "draft"):  # both ran against the served int8 variant, from the quantize artifact
-        m = json.loads(storage.read_bytes(storage.join(lineage["stages"][stage]["url"], "manifest.json")))
+        m = json.loads(storage.read_bytes(storage.join(store, lineage["stages"][stage]["key"] + "/manifest.json")))
         assert m["config"]["target"] == "int8"
         assert lineage["stages"]["quant"]["digest"] in {i["digest"] for i in m["inputs"]}
     assert st.read_pointer("releases/forgeline-tiny") == ref
@@ -83,7 +64,7 @@ def test_report_schema_and_gates(released):
         q = report["quantization"][scheme]
         assert q["perplexity"] == ppl[scheme] and q["perplexity_increase"] == ppl[scheme] / ppl["finetuned"] - 1
         assert q["kl"] >= 0 and 0.9 <= q["top1_agreement"] <= 1
-        assert q["weight_bytes_ratio_vs_bf16"] < bytes_ratio and q["quantize_seconds"] > 0
+        assert q["weight_bytes_ratio_vs_bf16"] < bytes_ratio and "quantize_seconds" not in q
         assert q["calibration_tokens"] >= 2048  # calibration.min_tokens
     # the int4 variant is compressed-tensors W4A16 (groups of 64), as transformers and vLLM read it
     config = json.loads(storage.read_bytes(storage.join(url, "quantized/w4a16-gptq-g64/config.json")))
@@ -93,8 +74,14 @@ def test_report_schema_and_gates(released):
     made = json.loads(storage.read_bytes(storage.join(url, "quantized/w4a16-gptq-g64/quantization_report.json")))
     assert {r["method"] for r in made["modules"]} == {"gptq"} and len(made["modules"]) == 2 * 7
     d = report["draft"]
-    assert d["lossless"] is True and 1 <= d["acceptance_length"] <= d["draft_tokens"] + 1 and d["speedup"] > 0
-    assert d["target"] == "int8"  # TINY_RELEASE serves the int8 variant: the draft is measured against it
+    # the declared floor (2.0 at k=5) is met: the draft learned the target, it does not just decode losslessly
+    floor = load_recipe(SMOKE).evaluate.gates.min_acceptance_length
+    assert floor >= 2.0 and floor <= d["acceptance_length"] <= d["draft_tokens"] + 1, d
+    assert d["lossless"] is True and "speedup" not in d  # wall-clock numbers live in timing.json
+    timing = json.loads(storage.read_bytes(storage.join(url, "eval/timing.json")))
+    assert timing["draft"]["speedup"] > 0 and set(timing["draft"]["runs"]) == set(d["runs"])
+    assert all(timing["quantization"][s]["quantize_seconds"] > 0 for s in ("int8", "w4a16-gptq-g64"))
+    assert d["target"] == "int8"  # the smoke recipe serves the int8 variant: the draft is measured against it
     assert set(d["runs"]) == {"chain_t0", "chain_t1", "tree_t0"}
     for run in d["runs"].values():
         assert 1 <= run["acceptance_length"] <= d["draft_tokens"] + 1
@@ -123,7 +110,7 @@ def test_transformers_and_peft_load_the_bundle(released, tmp_path):
 
     # adapter/ on top of the base it was trained from reproduces the merged model
     lineage = json.loads((local / "lineage.json").read_text())
-    base_dir = st.fetch(st.load(lineage["stages"]["base"]["url"])) / "model"
+    base_dir = st.fetch(st.load(st.url(lineage["stages"]["base"]["key"]))) / "model"
     base = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
     with_adapter = peft.PeftModel.from_pretrained(base, local / "adapter").eval()
     with torch.no_grad():
@@ -133,23 +120,56 @@ def test_transformers_and_peft_load_the_bundle(released, tmp_path):
 
 def test_second_run_is_all_cache_hits(released):
     store, url, _ = released
-    again, events = _release_with_events(store)
+    again, events = release_with_events(store)
     assert again == url
     assert len(events) == 9 and not any(e.ran for e in events)
 
 
-# in `pytest -m slow` (keeps the default run near 15 min on 2 cores)
+# in `pytest -m slow` (keeps the default run under 15 min on 2 cores)
 @pytest.mark.slow
 def test_draft_refresh_promotes_only_through_its_pointer(released):
+    """Both outcomes, on the same computed stages: a threshold the candidate cannot reach keeps the current
+    draft (no pointer written); the recipe's own threshold (candidate >= current) promotes the candidate,
+    which trained on fresh prompts from the current draft, by one pointer write."""
     from flows.draft_refresh import draft_refresh
 
     store, _, _ = released
     st = Store(store)
     assert st.read_pointer("drafts/forgeline-tiny") is None
-    result = draft_refresh(recipe="tiny", overrides=TINY_RELEASE, store=store)
+    kept = draft_refresh(recipe=SMOKE, overrides=["refresh.min_acceptance_ratio=100"], store=store)
+    assert kept["promoted"] is False and st.read_pointer("drafts/forgeline-tiny") is None
+    assert kept["candidate"] < 100 * kept["current"] and kept["current"] > 1
+
+    promoted = draft_refresh(recipe=SMOKE, store=store)  # every stage is a cache hit: the same two drafts
+    assert (promoted["current"], promoted["candidate"]) == (kept["current"], kept["candidate"])
+    assert promoted["promoted"] is True and promoted["candidate"] >= promoted["current"], promoted
     pointer = st.read_pointer("drafts/forgeline-tiny")
-    if result["promoted"]:
-        assert result["candidate"] >= result["current"]
-        assert pointer is not None and pointer.url == result["draft"]
-    else:
-        assert result["candidate"] < result["current"] and pointer is None
+    assert pointer is not None and pointer.url == promoted["draft"] != kept["draft"]
+
+
+def test_credentials_never_reach_an_output(released, s3_env, capfd):
+    """The S3 credentials -- canary strings given only through the environment (tests/s3_server.py) -- appear
+    in no object of the store (artifacts, manifests, lineage, model card, reports, logs, checkpoints,
+    pointers), no Prefect flow-run parameter, log, artifact or persisted result, and not on the console."""
+    from prefect import get_client
+    from prefect.settings import PREFECT_LOCAL_STORAGE_PATH
+
+    store, _, _ = released
+    canaries = [s3_env["AWS_SECRET_ACCESS_KEY"], s3_env["AWS_ACCESS_KEY_ID"]]
+    assert all(c.startswith("canary-") for c in canaries)
+    objects = storage.list_files(store, hidden=True)
+    assert len(objects) > 50
+    for url in objects:
+        body = storage.read_bytes(url)
+        assert not any(c.encode() in body for c in canaries), url
+    with get_client(sync_client=True) as client:
+        seen = [json.dumps(r.parameters) for r in client.read_flow_runs()]
+        seen += [log.message for log in client.read_logs()]
+        seen += [json.dumps(a.data, default=str) for a in client.read_artifacts()]
+    assert len(seen) > 10
+    assert not any(c in text for c in canaries for text in seen)
+    results = Path(PREFECT_LOCAL_STORAGE_PATH.value())
+    for path in (p for p in results.rglob("*") if p.is_file()) if results.exists() else []:
+        assert not any(c.encode() in path.read_bytes() for c in canaries), path
+    out, err = capfd.readouterr()
+    assert not any(c in out + err for c in canaries)

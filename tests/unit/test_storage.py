@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from pathlib import Path
 
@@ -111,3 +112,123 @@ def test_fingerprint_depends_on_config_and_inputs(tmp_path):
     assert base != fingerprint("b", {"lr": 2e-3}, [ref])
     assert base != fingerprint("b", {"lr": 1e-3}, [])
     assert base != fingerprint("c", {"lr": 1e-3}, [ref])
+
+
+def test_create_bytes_is_exclusive(root):
+    url = storage.join(root, f"once-{uuid.uuid4().hex[:6]}.json")
+    assert storage.create_bytes(url, b"first") is True
+    assert storage.create_bytes(url, b"second") is False
+    assert storage.read_bytes(url) == b"first"
+
+
+def test_lease_is_exclusive_until_released(root):
+    a, b = storage.Lease(root, "demo/fp", ttl=30), storage.Lease(root, "demo/fp", ttl=30)
+    assert a.try_acquire()
+    try:
+        assert not b.try_acquire()
+        a.check()
+    finally:
+        a.release()
+    assert b.try_acquire()
+    b.check()
+    b.release(remove=True)
+    with pytest.raises(FileNotFoundError):  # no lease file is left (S3 servers may keep the empty folder)
+        storage.list_files(storage.join(root, "leases/demo/fp"), hidden=True)
+
+
+def test_expired_lease_is_taken_over_and_the_old_holder_is_fenced(root):
+    old = storage.Lease(root, "demo/expiring", ttl=3)
+    assert old.try_acquire()
+    old._stop.set()  # a holder that stopped heartbeating (frozen, partitioned)
+    old._thread.join()
+    new = storage.Lease(root, "demo/expiring", ttl=30)
+    assert not new.try_acquire()
+    time.sleep(max(0.0, old._read(old.generation)["expires_at"] - time.time()) + 0.1)
+    assert new.try_acquire()
+    with pytest.raises(storage.LeaseLost, match="taken over"):
+        old.check()  # what the commit calls before writing its manifest
+    old.release()
+    new.check()  # the old holder's release did not touch the new generation
+    new.release(remove=True)
+
+
+def test_lease_of_a_dead_process_on_this_host_is_free_at_once(root):
+    import json
+    import socket
+    import subprocess
+    import sys
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    body = {"token": "x", "host": socket.gethostname(), "pid": int(dead.stdout), "expires_at": time.time() + 3600}
+    storage.write_bytes(storage.join(root, "leases/demo/dead/0000000001.json"), json.dumps(body).encode())
+    lease = storage.Lease(root, "demo/dead", ttl=30)
+    assert lease.try_acquire() and lease.generation == 2
+    lease.release(remove=True)
+
+
+def test_download_dir_refuses_keys_from_a_hostile_listing(tmp_path):
+    """A listing is remote input: a key that climbs out of the destination is refused before anything is
+    written (memory:// stores keys verbatim, like a crafted bucket)."""
+    root = f"memory://hostile-{uuid.uuid4().hex[:6]}"
+    storage.write_bytes(storage.join(root, "ckpt/config.json"), b"{}")
+    import fsspec
+
+    fsspec.filesystem("memory").pipe_file(f"/{root[len('memory://'):]}/ckpt/../../../escaped.txt", b"owned")
+    dest = tmp_path / "deep" / "dl"
+    with pytest.raises(StorageKeyError, match=r"escaped\.txt"):
+        storage.download_dir(storage.join(root, "ckpt"), dest)
+    assert not list(tmp_path.rglob("escaped.txt")) and not dest.exists()
+
+
+def test_manifest_with_an_escaping_file_key_is_refused(root, tmp_path):
+    import json
+
+    store = Store(root, cache_dir=tmp_path / "cache")
+    ref = store.commit(_stage_dir(tmp_path, {"w.bin": b"w"}), "demo", fingerprint("demo", {"e": 1}, []), config={})
+    m = json.loads(storage.read_bytes(ref.file("manifest.json")))
+    m["files"]["../../../outside.bin"] = m["files"]["w.bin"]
+    storage.write_bytes(ref.file("manifest.json"), json.dumps(m).encode())
+    with pytest.raises(ArtifactError, match="outside.bin"):
+        store.fetch(store.load(ref.url))
+    assert not list(tmp_path.rglob("outside.bin")) and not (tmp_path / "cache").exists()
+
+
+def test_fetch_detects_a_corrupt_byte_and_names_the_file(root, tmp_path):
+    store = Store(root, cache_dir=tmp_path / "cache")
+    ref = store.commit(_stage_dir(tmp_path, {"w.bin": bytes(range(256)) * 8, "ok.txt": b"fine"}), "demo",
+                       fingerprint("demo", {"f": 1}, []), config={})
+    data = bytearray(storage.read_bytes(ref.file("w.bin")))
+    data[777] ^= 0x01  # one flipped bit, same size
+    storage.write_bytes(ref.file("w.bin"), bytes(data))
+    with pytest.raises(storage.IntegrityError, match=r"w\.bin: sha256 does not match") as e:
+        store.fetch(ref)
+    assert ref.file("w.bin") in str(e.value) and "\n" not in str(e.value)
+
+
+def test_audit_lists_missing_extra_and_altered_files(root, tmp_path):
+    store = Store(root, cache_dir=tmp_path / "cache")
+    ref = store.commit(_stage_dir(tmp_path, {"a.bin": b"a", "b.bin": b"b", "c/d.bin": b"d"}), "demo",
+                       fingerprint("demo", {"g": 1}, []), config={})
+    assert store.audit(ref) == []
+    storage.rm(ref.file("a.bin"))
+    storage.write_bytes(ref.file("b.bin"), b"B")
+    storage.write_bytes(ref.file("c/.hidden"), b"planted")
+    problems = store.audit(ref)
+    assert [(p.what, p.rel) for p in problems] == [("missing", "a.bin"), ("altered", "b.bin"), ("extra", "c/.hidden")]
+    assert str(problems[0]) == f"missing: {ref.file('a.bin')}" and ref.file("b.bin") in str(problems[1])
+
+
+def test_digest_names_content_not_the_run(tmp_path):
+    """Two commits of the same bytes -- in other stores, at other times, with other timings and other
+    volatile measurements -- have one digest; one changed content byte changes it."""
+    fp = fingerprint("demo", {"h": 1}, [])
+    refs = []
+    for i, weights in enumerate((b"same", b"same", b"diff")):
+        store = Store(f"file://{tmp_path}/store{i}")
+        stage = _stage_dir(tmp_path, {"w.bin": weights, "tensorboard/events": f"wall time {i}".encode(),
+                                      "timing.json": f'{{"s": {i}}}'.encode()})
+        refs.append(store.commit(stage, "demo", fp, config={}, metadata={"seconds": i},
+                                 volatile=("tensorboard/*", "*timing.json")))
+        assert set(store.manifest(refs[-1])["volatile"]) == {"tensorboard/events", "timing.json"}
+    assert refs[0].digest == refs[1].digest != refs[2].digest
+    assert refs[0].url != refs[1].url
