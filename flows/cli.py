@@ -33,9 +33,12 @@ os.environ.setdefault("PREFECT_LOGGING_LEVEL", "WARNING")
 # Prefect's console handler would print a failed task's traceback on the terminal; the API handler still
 # sends it to the run's logs in the UI. Set the variable to see Prefect's own lines again.
 os.environ.setdefault("PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL", "CRITICAL")
+os.environ.setdefault("PREFECT_LOGGING_HANDLERS_DEBUG_LEVEL", "CRITICAL")  # prefect._internal's own stderr handler
 # absl (imported by orbax) calls logging.basicConfig() on its first message when the root logger has no
 # handler, which would print every library's errors -- Prefect's task tracebacks included -- on stderr.
 logging.getLogger().addHandler(logging.NullHandler())
+# A log record that cannot be delivered (the Prefect API gone after Ctrl-C) is dropped, not printed.
+logging.raiseExceptions = False
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="forgeline: open model releases.")
 
@@ -221,7 +224,11 @@ class _Interrupted(BaseException):
         self.signum = signum
 
 
+_received: list[int] = []  # the signals that stopped this run (whatever exception the unwinding then raised)
+
+
 def _on_signal(signum, _frame) -> None:
+    _received.append(signum)
     raise _Interrupted(signum)
 
 
@@ -231,28 +238,38 @@ def _run(fn, **kwargs):
     Prefect server is stopped on exit) and exit 128 + the signal number."""
     from prefect.exceptions import TerminationSignal
 
+    previous = {s: signal.signal(s, _on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        return fn(**kwargs)
+    except BaseException as e:
+        # Ctrl-C reaches the ephemeral Prefect server too, so the unwinding may end in a connection error
+        # rather than the interrupt itself: a received signal decides how the run ended
+        if _received or isinstance(e, _Interrupted | KeyboardInterrupt | TerminationSignal):
+            signum = _received[0] if _received else \
+                signal.SIGTERM if isinstance(e, TerminationSignal) else signal.SIGINT
+            _fail(f"interrupted by {signal.Signals(signum).name}: nothing half-written is visible; run the same "
+                  f"command again to resume after the last committed stage", 128 + signum)
+        _failure(e)
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def _failure(e: BaseException) -> None:
+    """One `error:` line and the exit code for an exception that ended a run."""
     from storage import ArtifactError, StorageKeyError, StoreUnavailable
     from tasks.export import GateError
     from tasks.recipe import ConfigError
     from tasks.train import TrainingDiverged
 
-    previous = {s: signal.signal(s, _on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        return fn(**kwargs)
-    except ConfigError as e:
+    if isinstance(e, ConfigError):
         _fail(str(e), 2)
-    except (_Interrupted, KeyboardInterrupt, TerminationSignal) as e:
-        signum = getattr(e, "signum", signal.SIGTERM if isinstance(e, TerminationSignal) else signal.SIGINT)
-        _fail(f"interrupted by {signal.Signals(signum).name}: nothing half-written is visible; run the same "
-              f"command again to resume after the last committed stage", 128 + signum)
-    except (ValueError, NotImplementedError, FileNotFoundError, PermissionError, GateError, ArtifactError,
-            StoreUnavailable, StorageKeyError, TrainingDiverged) as e:
+    if isinstance(e, ValueError | NotImplementedError | FileNotFoundError | PermissionError | GateError
+                  | ArtifactError | StoreUnavailable | StorageKeyError | TrainingDiverged):
         _fail(_first_line(e))
-    except Exception as e:  # a bug, or an error deep inside a library: the line says where the traceback is
+    if isinstance(e, Exception):  # a bug, or an error deep inside a library: the line says where the traceback is
         _fail(f"{type(e).__name__}: {_first_line(e)} (traceback: {_save_traceback(e)})")
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+    raise e
 
 
 def _save_traceback(e: BaseException) -> Path:

@@ -25,7 +25,7 @@ import storage
 from tasks.cli import OPTIONAL_PATH, stage_main
 from tasks.data_prep import DataPrepConfig
 from tasks.finetune import save_model_dir
-from tasks.stage import StageContext, work_root
+from tasks.stage import StageContext
 from tasks.train import Checkpoints, Progress, TrainConfig, Trainer, fit
 
 log = logging.getLogger("forgeline.base")
@@ -148,7 +148,7 @@ def compute(cfg: BaseConfig, progress: Progress | None = None):
     def _compute(ctx: StageContext) -> dict[str, Any]:
         if cfg.url is not None:
             return import_checkpoint(cfg.url, ctx.out_dir)
-        ckpt = Checkpoints(work_root() / "ckpt" / ctx.kind / ctx.fingerprint, ctx.store,
+        ckpt = Checkpoints(ctx.checkpoint_dir, ctx.store,
                            f"{ctx.kind}/{ctx.fingerprint}", keep=cfg.train.keep_checkpoints)
         try:
             return pretrain(cfg, ctx.inputs["data"], ctx.out_dir, checkpoints=ckpt, progress=progress)

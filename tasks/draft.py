@@ -49,7 +49,7 @@ from models.eagle3 import (
 from models.layers import Buffer, param
 from tasks.cli import PATH, stage_main
 from tasks.finetune import model_dir
-from tasks.stage import StageContext, work_root
+from tasks.stage import StageContext
 from tasks.traces import load_hidden, target_features
 from tasks.train import Checkpoints, PackedBatches, Progress, TrainConfig, Trainer, fit
 
@@ -240,7 +240,7 @@ def compute(cfg: DraftConfig, progress: Progress | None = None, init_input: str 
 
     def _compute(ctx: StageContext) -> dict[str, Any]:
         init = ctx.inputs[init_input] if init_input and init_input in ctx.inputs else None
-        ckpt = Checkpoints(work_root() / "ckpt" / ctx.kind / ctx.fingerprint, ctx.store,
+        ckpt = Checkpoints(ctx.checkpoint_dir, ctx.store,
                            f"{ctx.kind}/{ctx.fingerprint}", keep=cfg.train.keep_checkpoints)
         try:
             return train_draft(cfg, model_dir(ctx.inputs["target"], cfg.target), ctx.inputs["traces"], ctx.out_dir,

@@ -26,7 +26,7 @@ from models import lora
 from storage import Store
 from tasks.cli import OPTIONAL_PATH, PATH, stage_main
 from tasks.distributed import is_primary
-from tasks.stage import StageContext, work_root
+from tasks.stage import StageContext
 from tasks.train import Checkpoints, Progress, TrainConfig, Trainer, fit
 
 log = logging.getLogger("forgeline.finetune")
@@ -89,7 +89,7 @@ def compute(cfg: FinetuneConfig, progress: Progress | None = None):
     """The stage body for `tasks.stage.run_stage`: inputs `base` and `data`."""
 
     def _compute(ctx: StageContext) -> dict[str, Any]:
-        ckpt = Checkpoints(work_root() / "ckpt" / ctx.kind / ctx.fingerprint, ctx.store,
+        ckpt = Checkpoints(ctx.checkpoint_dir, ctx.store,
                            f"{ctx.kind}/{ctx.fingerprint}", keep=cfg.train.keep_checkpoints)
         base = model_dir(ctx.inputs["base"])
         # the adapter names the base checkpoint by its key in the store (the HF folder inside the artifact),

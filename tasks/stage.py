@@ -50,6 +50,12 @@ class StageContext:
     refs: dict[str, ArtifactRef]
     store: Store
 
+    @property
+    def checkpoint_dir(self) -> Path:
+        """Local folder for this stage's resumable training checkpoints (uploaded to the store as they are
+        made; removed once the stage commits)."""
+        return checkpoint_dir(self.kind, self.fingerprint)
+
 
 Compute = Callable[[StageContext], dict[str, Any]]
 
@@ -106,6 +112,10 @@ def config_dict(config: BaseModel | Mapping[str, Any]) -> dict[str, Any]:
 
 def stage_fingerprint(kind: str, config: BaseModel | Mapping[str, Any], inputs: Mapping[str, ArtifactRef]) -> str:
     return fingerprint(kind, config_dict(config), inputs.values())
+
+
+def checkpoint_dir(kind: str, fp: str) -> Path:
+    return work_root() / "ckpt" / kind / fp
 
 
 def work_root() -> Path:
@@ -179,8 +189,10 @@ def _compute_and_commit(store: Store, kind: str, fp: str, config: BaseModel | Ma
         ref = store.commit(staging, kind, fp, config=config_dict(config), inputs=inputs.values(), metadata=metadata,
                            volatile=VOLATILE, fence=lease.check)
         # The committed artifact supersedes the stage's resumable side state (training checkpoints,
-        # finished trace shards): without this, offline hidden states would sit in the store twice.
+        # finished trace shards), in the store and on local disk: without this, offline hidden states would
+        # sit in the store twice and every fine-tune would leave a full checkpoint behind on the worker.
         storage.rm(store.url(f"checkpoints/{kind}/{fp}"))
+        shutil.rmtree(checkpoint_dir(kind, fp), ignore_errors=True)
         log.info("%s: committed %s in %.1fs", kind, ref.url, metadata["seconds"])
         return ref
     finally:

@@ -510,6 +510,7 @@ class Checkpoints:
         self.manager.wait_until_finished()
         storage.upload_dir(self.local_dir / str(step), storage.join(self.remote, str(step)))
         storage.write_bytes(storage.join(self.remote, "latest.json"), json.dumps({"step": step}).encode())
+        log.info("checkpoint step %d committed to %s", step, self.remote)
         self._committed.append(step)
         for old in self._committed[:-self.keep]:
             storage.rm(storage.join(self.remote, str(old)))
