@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> None:
             raise SystemExit(f"benchmarks.speculative: no release {a.release!r} in {a.store} (run the release first)")
         bundle_dir = st.fetch(bundle)
         lineage = json.loads((bundle_dir / "lineage.json").read_text())
-        data_dir = st.fetch(st.load(lineage["stages"]["data"]["url"]))
+        data_dir = st.fetch(st.load(st.url(lineage["stages"]["data"]["key"])))
     target = models.from_pretrained(str(bundle_dir / "model"))
     eos = json.loads((bundle_dir / "model" / "config.json").read_text()).get("eos_token_id")
     draft = load_eagle3(str(draft_dir(bundle_dir)), embed_tokens=target.embed_tokens.weight[...])

@@ -22,7 +22,7 @@ import transformers
 
 import storage
 from models import from_pretrained
-from tests.conftest import TINY_RELEASE
+from tests.conftest import SMOKE_MOE
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "parity"))
@@ -55,11 +55,10 @@ def test_release_on_an_moe_base(tmp_path, arch):
     base = str(tmp_path / "base")
     make_base(arch, base)
     store = f"file://{tmp_path}/artifacts"
-    sets = [a for s in TINY_RELEASE if not s.startswith("base.") for a in ("--set", s)]
     # int4 GPTQ in groups of 16: the narrowest widths here (moe_intermediate_size 32, kv_lora_rank 16) need it
-    sets += ["--set", "quantize.schemes=[int8,w4a16-gptq-g16]"]
+    sets = ["--set", "quantize.schemes=[int8,w4a16-gptq-g16]"]
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "FORGELINE_WORKDIR": str(tmp_path / "work")}
-    done = subprocess.run([sys.executable, "-m", "flows.cli", "release", "--store", store,
+    done = subprocess.run([sys.executable, "-m", "flows.cli", "release", "--recipe", SMOKE_MOE, "--store", store,
                            "--set", f"base.url=file://{base}", *sets], env=env, capture_output=True, text=True,
                           timeout=1200)
     assert done.returncode == 0, done.stderr[-4000:]
