@@ -123,3 +123,40 @@ def tiny_target(tiny_base, tmp_path_factory):
     path = tmp_path_factory.mktemp("tiny_target") / "model"
     save_model_dir(models.Llama(cfg, rngs=nnx.Rngs(0)), path, data)
     return path, data
+
+
+# What the heavier tests measured (the fault table, the default release's numbers), printed at the end of
+# the run so that every CI log carries them, not only a failing test's captured output.
+_MEASURED: list[str] = []
+
+
+@pytest.fixture
+def measured(request):
+    """`measured(line)` prints `line` in the run's closing "measured" section (carried in the test report's
+    user properties, so it also reaches the summary from a pytest-xdist worker)."""
+    return lambda line: request.node.user_properties.append(("measured", line))
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _MEASURED:
+        terminalreporter.section("measured")
+        for line in _MEASURED:
+            terminalreporter.write_line(line)
+
+
+# No test is skipped silently: every tier runs every test it collects, so a skip (a missing dependency,
+# a `pytest.skip` left in) fails the run instead of passing it with a footnote.
+_SKIPPED: list[str] = []
+
+
+def pytest_runtest_logreport(report):
+    if report.when == "teardown":
+        _MEASURED.extend(v for k, v in report.user_properties if k == "measured")
+    if report.skipped and not hasattr(report, "wasxfail"):
+        _SKIPPED.append(report.nodeid)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _SKIPPED and session.exitstatus == 0:
+        print(f"\nerror: {len(_SKIPPED)} test(s) skipped, and no tier may skip one: " + ", ".join(_SKIPPED[:5]))
+        session.exitstatus = 1

@@ -136,7 +136,7 @@ def _bundle(run: Release, store: str) -> str:
     return url
 
 
-def test_sigkill_inside_each_stage_then_rerun(tmp_path, prefect_harness, reference):
+def test_sigkill_inside_each_stage_then_rerun(tmp_path, prefect_harness, reference, measured):
     """`forgeline release` is SIGKILLed (with everything it started) inside each stage in turn; each rerun
     completes the stage the previous run died in -- training stages resume from their last checkpoint --
     and the last rerun's bundle is the uninterrupted run's, digest for digest."""
@@ -171,8 +171,13 @@ def test_sigkill_inside_each_stage_then_rerun(tmp_path, prefect_harness, referen
     table[-1]["rerun"] = final.stage_lines()[STAGES[-1]]
     url = _bundle(final, store)
     digest = Store(store).load(url).digest
-    print("\nSIGKILL inside each stage -> rerun:\n" + "\n".join(json.dumps(r) for r in table))
-    print(f"bundle digest {digest} (uninterrupted: {reference})")
+    measured("faults: SIGKILL of `forgeline release` inside each stage, then a rerun")
+    for r in table:
+        measured(f"  {r['stage']:<15} killed {r['killed']:<25} rerun: {r['rerun']}"
+                 f"{' (resumed from its checkpoint)' if r.get('resumed') else ''}; folders without manifest after "
+                 f"the kill: {r['without_manifest']}")
+    measured(f"  final bundle digest {digest[:16]}, uninterrupted {reference[:16]}: "
+             f"{'equal' if digest == reference else 'DIFFERENT'}")
     assert digest == reference
     assert sum(1 for r in table if r.get("resumed")) >= 2  # base and finetune (and draft) resumed mid-training
     verify = subprocess.run([sys.executable, "-m", "flows.cli", "verify", url], capture_output=True, text=True)
@@ -190,7 +195,7 @@ def raced(tmp_path_factory, prefect_harness) -> tuple[str, list[Release]]:
     return store, runs
 
 
-def test_two_identical_releases_at_once_compute_each_stage_once(raced, reference):
+def test_two_identical_releases_at_once_compute_each_stage_once(raced, reference, measured):
     store, runs = raced
     assert [r.proc.returncode for r in runs] == [0, 0], [r.tail() for r in runs]
     urls = {_bundle(r, store) for r in runs}
@@ -201,7 +206,10 @@ def test_two_identical_releases_at_once_compute_each_stage_once(raced, reference
     assert any("waiting for its commit" in ln for r in runs for ln in r.err)  # one really waited on the other
     committed, partial = _visible_artifacts_are_whole(store)
     assert committed == len(STAGES) and partial == 0
-    assert Store(store).load(urls.pop()).digest == reference
+    digest = Store(store).load(urls.pop()).digest
+    measured(f"faults: two identical releases at once: each of {len(STAGES)} stages ran once and was reused once, "
+             f"one bundle URL, digest {'equal' if digest == reference else 'DIFFERENT'}")
+    assert digest == reference
 
 
 def _descendants(pid: int) -> set[int]:
@@ -231,7 +239,7 @@ def _gone(pids: set[int], timeout: float = 15) -> set[int]:
     return alive
 
 
-def test_ctrl_c_and_sigterm_stop_everything_and_the_rerun_resumes(tmp_path, prefect_harness, reference):
+def test_ctrl_c_and_sigterm_stop_everything_and_the_rerun_resumes(tmp_path, prefect_harness, reference, measured):
     """Each interrupted run starts its own ephemeral Prefect server (no PREFECT_API_URL) -- the process a
     terminated release used to leave behind. Ctrl-C goes to the whole process group, as a terminal sends it;
     SIGTERM to the CLI alone, as a supervisor sends it."""
@@ -249,12 +257,17 @@ def test_ctrl_c_and_sigterm_stop_everything_and_the_rerun_resumes(tmp_path, pref
         assert not any("Traceback" in ln for ln in run.err + run.out), run.tail()
         assert _gone(started) == set(), f"{signal.Signals(sig).name} left processes behind"
         _, partial = _visible_artifacts_are_whole(store)
+        measured(f"faults: {signal.Signals(sig).name} in {stage}: exit {run.proc.returncode}, "
+                 f"{len(started)} child process(es) all gone, {partial} folder(s) without manifest")
     final = Release(store, tmp=tmp_path)
     assert final.finish() == 0, final.tail()
-    assert Store(store).load(_bundle(final, store)).digest == reference
+    digest = Store(store).load(_bundle(final, store)).digest
+    measured(f"  rerun: {sum(v == 'ran' for v in final.stage_lines().values())} stage(s) ran, digest "
+             f"{'equal' if digest == reference else 'DIFFERENT'}")
+    assert digest == reference
 
 
-def test_a_corrupt_input_fails_the_stage_that_reads_it_once_and_is_not_recomputed(tmp_path, raced):
+def test_a_corrupt_input_fails_the_stage_that_reads_it_once_and_is_not_recomputed(tmp_path, raced, measured):
     """A flipped byte in a committed model: the stage that reads it fails with one line naming the file in the
     store, at once (not retried as if the network had failed), and the damaged artifact is not recomputed
     over; `forgeline verify` names the file."""
@@ -292,7 +305,8 @@ def test_a_corrupt_input_fails_the_stage_that_reads_it_once_and_is_not_recompute
         runs = client.read_task_runs(task_run_filter=TaskRunFilter(name=TaskRunFilterName(any_=["evaluate"])),
                                      sort=TaskRunSort.EXPECTED_START_TIME_DESC, limit=1)
     assert runs and runs[0].run_count == 1 and runs[0].state.is_failed(), runs
-    print(f"\ncorrupt input: failed in {time.monotonic() - t0:.0f}s with: {errors[0]}")
+    measured(f"faults: a flipped byte in the committed fine-tuned model: exit 1 in {time.monotonic() - t0:.0f}s, "
+             f"evaluate ran once, finetune not recomputed: {errors[0].replace(store, '<store>')}")
 
     verify = subprocess.run([sys.executable, "-m", "flows.cli", "verify", finetune.url], capture_output=True,
                             text=True)
@@ -312,7 +326,7 @@ def own_s3(tmp_path):
         server.stop()
 
 
-def test_s3_server_killed_mid_upload_and_restarted(own_s3, prefect_harness, reference, tmp_path):
+def test_s3_server_killed_mid_upload_and_restarted(own_s3, prefect_harness, reference, tmp_path, measured):
     """SeaweedFS is SIGKILLed while a stage uploads its files and started again on its data: readers never see
     the half-uploaded artifact (no manifest, so lookup finds nothing), the stage's retry recomputes and
     commits it, and the bundle is the uninterrupted one."""
@@ -342,6 +356,8 @@ def test_s3_server_killed_mid_upload_and_restarted(own_s3, prefect_harness, refe
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-    print(f"\nS3 killed mid-upload: {seen_partial} files of quantize/{fp} were up, no manifest; bundle {digest}")
+    measured(f"faults: SeaweedFS SIGKILLed during quantize's upload, restarted: {seen_partial} file(s) of it "
+             f"were up without a manifest (invisible), the retry recomputed and committed it, bundle digest "
+             f"{'equal' if digest == reference else 'DIFFERENT'}")
     assert digest == reference and partial == 0
     assert env["AWS_SECRET_ACCESS_KEY"] not in "\n".join(run.err + run.out)  # the canary stays in the environment

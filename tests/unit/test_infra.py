@@ -390,9 +390,8 @@ def test_deployments_job_variables_fit_the_gpu_pool_schema():
 
 
 def test_pool_template_with_the_real_kubernetes_worker():
-    """Only where prefect-kubernetes is installed (a Kubernetes worker's image): the worker's own
+    """prefect-kubernetes (in the test extra, as on a Kubernetes worker's image): the worker's own
     rendering, env merge and validation of the manifest."""
-    pytest.importorskip("prefect_kubernetes")
     import uuid
 
     from prefect.client.schemas.objects import FlowRun

@@ -26,7 +26,7 @@ CFG = tr.TracesConfig(num_prompts=6, num_valid_prompts=2, shard_prompts=2, batch
 OUTPUTS = ("train-00000.parquet", "train-00001.parquet", "train-00002.parquet", "valid-00000.parquet",
            "hidden-train-00000.safetensors", "hidden-train-00001.safetensors", "hidden-train-00002.safetensors",
            "hidden-valid-00000.safetensors", "samples.jsonl", "tokenizer.json", "special_tokens.json",
-           "tokenizer_config.json")
+           "tokenizer_config.json", "traces.json")  # traces.json too: a resumed run records the same result
 GENERATE_SHARD = tr.generate_shard
 
 

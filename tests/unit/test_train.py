@@ -155,7 +155,6 @@ def test_nan_stops_the_run_naming_the_step(tiny_base, tmp_path):
 
 
 def test_metrics_reach_tensorboard(tiny_base, tmp_path):
-    pytest.importorskip("tensorboard", reason="tensorboard is in the test extra")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     import models
