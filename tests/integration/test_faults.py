@@ -25,7 +25,8 @@ import storage
 from storage import Store
 from tests.conftest import SMOKE
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+# with test_release_flow.py on one pytest-xdist worker: both use the session's `released` smoke release
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.xdist_group("released")]
 
 STAGES = ["data_prep[base]", "base", "data_prep", "finetune", "quantize", "traces", "draft", "evaluate", "export"]
 KINDS = {"data_prep[base]": "data_prep", "base": "base", "data_prep": "data_prep", "finetune": "finetune",
