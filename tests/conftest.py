@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,9 @@ if str(ROOT) not in sys.path:
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
+# Local scratch (staging, training checkpoints keyed by stage fingerprint) of this test process alone: two
+# pytest-xdist workers computing the same stage for different stores must not share a checkpoint folder.
+os.environ.setdefault("FORGELINE_WORKDIR", tempfile.mkdtemp(prefix="forgeline-work-"))
 
 # JAX's persistent compilation cache (~/.cache/forgeline/jax, as the forgeline commands use): tests and the
 # command-line processes they start compile the same programs many times over.
@@ -28,19 +32,10 @@ configure_jax()
 def s3_env(tmp_path_factory):
     """A running SeaweedFS on 127.0.0.1; yields its AWS_* variables, which are also exported so that
     storage.fs (and therefore every stage) reaches it through the standard environment."""
-    from tests.s3_server import seaweedfs
+    from tests.s3_server import exported, seaweedfs
 
-    with seaweedfs(tmp_path_factory.mktemp("s3")) as env:
-        saved = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
-        try:
-            yield env
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+    with seaweedfs(tmp_path_factory.mktemp("s3")) as env, exported(env):
+        yield env
 
 
 # The default recipe shrunk to a CPU smoke size (about a minute end to end), with its own declared gates.

@@ -66,6 +66,7 @@ class SeaweedFS:
         cmd = [
             self.weed, "mini", f"-dir={self.data}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
             "-master.telemetry=false", "-admin.ui=false", f"-bucket={BUCKET}",
+            "-s3.port.iceberg=0", "-s3.port.lance=0",  # fixed default ports: two servers at once would collide
             f"-master.port={p['master']}", f"-filer.port={p['filer']}", f"-volume.port={p['volume']}",
             f"-s3.port={p['s3']}", f"-admin.port={p['admin']}", f"-debug.port={p['debug']}",
             f"-webdav.port={p['webdav']}",
@@ -109,6 +110,21 @@ def _beside_python(name: str) -> str | None:
     """A console script installed next to this interpreter (a venv whose bin/ is not on PATH)."""
     path = Path(sys.executable).parent / name
     return str(path) if path.exists() else None
+
+
+@contextlib.contextmanager
+def exported(env: dict[str, str]) -> Iterator[None]:
+    """`env` set in os.environ (where storage.fs and every stage read AWS_*) for the block, then restored."""
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 @contextlib.contextmanager

@@ -24,6 +24,7 @@ import pytest
 import storage
 from storage import Store
 from tests.conftest import SMOKE
+from tests.s3_server import exported
 
 # with test_release_flow.py on one pytest-xdist worker: both use the session's `released` smoke release
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.xdist_group("released")]
@@ -340,9 +341,7 @@ def test_s3_server_killed_mid_upload_and_restarted(own_s3, prefect_harness, refe
     # down for longer than s3fs's own retries: the stage fails (and cannot give its lease back), Prefect retries it
     run.wait_for(r"lease .*quantize.* could not release", timeout=120)
     server.start()
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
+    with exported(env):
         st = Store(store)
         seen_partial = len(storage.list_files(st.prefix("quantize", fp), hidden=True)) \
             if storage.exists(st.prefix("quantize", fp)) else 0
@@ -351,12 +350,6 @@ def test_s3_server_killed_mid_upload_and_restarted(own_s3, prefect_harness, refe
         assert sum("quantize: computing" in ln for ln in run.err) == 2, run.tail()  # the retry recomputed it
         digest = st.load(_bundle(run, store)).digest
         committed, partial = _visible_artifacts_are_whole(store)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     measured(f"faults: SeaweedFS SIGKILLed during quantize's upload, restarted: {seen_partial} file(s) of it "
              f"were up without a manifest (invisible), the retry recomputed and committed it, bundle digest "
              f"{'equal' if digest == reference else 'DIFFERENT'}")
