@@ -139,14 +139,6 @@ def pytest_terminal_summary(terminalreporter):
             terminalreporter.write_line(line)
 
 
-def pytest_collection_modifyitems(items):
-    """pytest-xdist (`--dist loadgroup`): a file's tests run on one worker, so module fixtures are built once;
-    a file can join another's group (`pytest.mark.xdist_group`) to share a session fixture."""
-    for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(item.path.relative_to(ROOT).as_posix()))
-
-
 # No test is skipped silently: every tier runs every test it collects, so a skip (a missing dependency,
 # a `pytest.skip` left in) fails the run instead of passing it with a footnote.
 _SKIPPED: list[str] = []

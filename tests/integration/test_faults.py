@@ -26,8 +26,7 @@ from storage import Store
 from tests.conftest import SMOKE
 from tests.s3_server import exported
 
-# with test_release_flow.py on one pytest-xdist worker: both use the session's `released` smoke release
-pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.xdist_group("released")]
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 STAGES = ["data_prep[base]", "base", "data_prep", "finetune", "quantize", "traces", "draft", "evaluate", "export"]
 KINDS = {"data_prep[base]": "data_prep", "base": "base", "data_prep": "data_prep", "finetune": "finetune",

@@ -18,8 +18,7 @@ from storage import Store
 from tasks.recipe import load_recipe
 from tests.conftest import SMOKE, release_with_events
 
-# with test_faults.py on one pytest-xdist worker: both use the session's `released` smoke release
-pytestmark = [pytest.mark.integration, pytest.mark.xdist_group("released")]
+pytestmark = [pytest.mark.integration]
 
 BUNDLE_FILES = [  # (eval/timing.json and the model card are volatile: hashed, outside the digest)
     "model/config.json", "model/tokenizer.json", "model/tokenizer_config.json", "model/generation_config.json",
