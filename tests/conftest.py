@@ -18,8 +18,9 @@ if str(ROOT) not in sys.path:
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
 # Local scratch (staging, training checkpoints keyed by stage fingerprint) of this test process alone: two
-# pytest-xdist workers computing the same stage for different stores must not share a checkpoint folder.
-os.environ.setdefault("FORGELINE_WORKDIR", tempfile.mkdtemp(prefix="forgeline-work-"))
+# pytest-xdist workers computing the same stage for different stores must not share a checkpoint folder
+# (so not inherited from the controller process either).
+os.environ["FORGELINE_WORKDIR"] = tempfile.mkdtemp(prefix="forgeline-work-")
 
 # JAX's persistent compilation cache (~/.cache/forgeline/jax, as the forgeline commands use): tests and the
 # command-line processes they start compile the same programs many times over.
