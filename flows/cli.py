@@ -15,12 +15,15 @@ included); nothing half-written is ever visible, and the same command resumes.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
+import subprocess
 import sys
 import time
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated
 
@@ -232,18 +235,66 @@ def _on_signal(signum, _frame) -> None:
     raise _Interrupted(signum)
 
 
+def _die_with_parent() -> None:
+    """In a forked child before exec (Linux): SIGTERM when the process that started it dies, however it
+    died -- a SIGKILLed CLI must not leave its ephemeral Prefect server running."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+@contextlib.contextmanager
+def _prefect_api() -> Iterator[None]:
+    """The Prefect API for one command: PREFECT_API_URL's server when set, else an ephemeral server of the
+    command's own, started here rather than lazily by Prefect so that it runs in its own process group.
+
+    Prefect's lazy ephemeral server shares the CLI's process group, so a terminal's Ctrl-C stopped it at
+    once, and the unwinding run then spent minutes retrying to report its crashed state to a server that
+    was gone. This one does not get the terminal's signals; it outlives the unwinding (the run is recorded
+    as crashed) and is stopped when the command exits, or with the CLI's own death (PR_SET_PDEATHSIG).
+    The command line is Prefect's own (`prefect.server.api.server.SubprocessASGIServer`)."""
+    from prefect.server.api.server import SubprocessASGIServer
+    from prefect.settings import PREFECT_API_URL, get_current_settings, temporary_settings
+
+    if PREFECT_API_URL.value():
+        yield
+        return
+
+    class Server(SubprocessASGIServer):
+        def _run_uvicorn_command(self) -> subprocess.Popen:
+            import prefect
+
+            return subprocess.Popen(
+                [sys.executable, "-m", "uvicorn", "--app-dir", str(prefect.__module_path__.parent), "--factory",
+                 "prefect.server.api.server:create_app", "--host", "127.0.0.1", "--port", str(self.port),
+                 "--log-level", "error", "--lifespan", "on"],
+                env={**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1",
+                     "PREFECT__SERVER_FINAL": "1",
+                     **get_current_settings().to_environment_variables(exclude_unset=True)},
+                process_group=0, preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+
+    server = Server()  # one per process, like Prefect's own
+    server.start()  # stopped at exit, after Prefect has flushed its events and logs to it (atexit order)
+    with temporary_settings({PREFECT_API_URL: server.api_url}):
+        os.environ["PREFECT_API_URL"] = server.api_url  # threads that Prefect starts read the environment
+        try:
+            yield
+        finally:
+            os.environ.pop("PREFECT_API_URL", None)
+
+
 def _run(fn, **kwargs):
     """Run a flow; any failure becomes one `error:` line and an exit code. SIGTERM and Ctrl-C unwind the
-    run like an exception (stages release their leases, checkpoints finish uploading, the ephemeral
-    Prefect server is stopped on exit) and exit 128 + the signal number."""
-    from prefect.exceptions import TerminationSignal
-
+    run like an exception (stages release their leases, checkpoints finish uploading, the run is recorded
+    as crashed, the ephemeral Prefect server is stopped on exit) and exit 128 + the signal number."""
     previous = {s: signal.signal(s, _on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        return fn(**kwargs)
+        with _prefect_api():
+            return fn(**kwargs)
     except BaseException as e:
-        # Ctrl-C reaches the ephemeral Prefect server too, so the unwinding may end in a connection error
-        # rather than the interrupt itself: a received signal decides how the run ended
+        from prefect.exceptions import TerminationSignal
+
+        # a received signal decides how the run ended, whatever exception the unwinding then raised
         if _received or isinstance(e, _Interrupted | KeyboardInterrupt | TerminationSignal):
             signum = _received[0] if _received else \
                 signal.SIGTERM if isinstance(e, TerminationSignal) else signal.SIGINT
