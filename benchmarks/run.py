@@ -26,8 +26,9 @@ import numpy as np
 from flax import nnx
 
 import models
-from tasks.metrics import measure_matmul_flops, train_flops_per_token
-from tasks.train import TrainConfig, Trainer
+from tasks.training.config import TrainConfig
+from tasks.training.flops import measure_matmul_flops, train_flops_per_token
+from tasks.training.trainer import Trainer
 
 
 def _best(fn: Callable[[], object], repeats: int) -> float:

@@ -41,8 +41,8 @@ import storage
 from models.eagle3 import load_eagle3
 from models.generate import generate
 from storage import Store
-from tasks.draft import draft_dir
 from tasks.evaluate import EvalConfig, spec_prompts, speculative
+from tasks.layout import draft_dir
 
 
 def expand_target(target: nnx.Module, mlp_width: int, extra_layers: int, seed: int = 0) -> nnx.Module:

@@ -30,8 +30,9 @@ from flax import nnx
 
 import models
 from benchmarks.run import _best, bench_train, matmul_peak
-from tasks.metrics import matmul_params_per_token, matmul_peak_flops, train_flops_per_token
-from tasks.train import TrainConfig, Trainer
+from tasks.training.config import TrainConfig
+from tasks.training.flops import matmul_params_per_token, matmul_peak_flops, train_flops_per_token
+from tasks.training.trainer import Trainer
 
 LORA_RANK, LORA_ALPHA = 16, 32
 

@@ -159,7 +159,7 @@ def _check_quantize(cfg) -> None:
 
     import storage
     from models import registry
-    from tasks.base import shape_config
+    from tasks.base_model import shape_config
     from tasks.quantize import check_fits
 
     for scheme in cfg.quantize.schemes:  # every shipped scheme needs a gate limit (else evaluate fails at the end)
@@ -311,7 +311,7 @@ def _failure(e: BaseException) -> None:
     from storage import ArtifactError, StorageKeyError, StoreUnavailable
     from tasks.export import GateError
     from tasks.recipe import ConfigError
-    from tasks.train import TrainingDiverged
+    from tasks.training.config import TrainingDiverged
 
     if isinstance(e, ConfigError):
         _fail(str(e), 2)

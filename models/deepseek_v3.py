@@ -46,6 +46,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.decoder import MLP, Context, DecoderLayer, DecoderLM, MTPLayer
+from models.flops import LayerFlops, routed_ffn, swiglu
 from models.generate import KVCache
 from models.layers import (
     Linear,
@@ -189,6 +190,20 @@ class DeepseekV3Config:
         return self if m == self.num_mtp_layers else dataclasses.replace(self, num_mtp_layers=m)
 
     # -- presets ---------------------------------------------------------------------------------
+
+    def layer_flops(self) -> list[LayerFlops]:
+        """Per-layer cost of a token (models/flops.py): MLA in its expanded (training) form -- q through
+        the optional q_lora_rank bottleneck, the kv latent and the shared rope key, k_nope/v up-projections,
+        o -- then dense SwiGLU in the first `first_k_dense_replace` layers, a routed MoE with shared experts
+        after."""
+        D, N, P, R, Vd, C, Q = (self.hidden_size, self.num_attention_heads, self.qk_nope_head_dim,
+                                self.qk_rope_head_dim, self.v_head_dim, self.kv_lora_rank, self.q_lora_rank)
+        q_proj = D * N * (P + R) if Q is None else D * Q + Q * N * (P + R)
+        attn = q_proj + D * (C + R) + C * N * (P + Vd) + N * Vd * D
+        moe = routed_ffn(self, self.n_routed_experts, self.moe_intermediate_size, self.n_shared_experts)
+        dense = swiglu(D, self.intermediate_size)
+        return [LayerFlops(attn + (moe if self.is_moe_layer(i) else dense), N * (P + R), N * Vd, None)
+                for i in range(self.num_hidden_layers)]
 
     @classmethod
     def tiny(cls, vocab_size: int = 256, **overrides: Any) -> DeepseekV3Config:

@@ -42,6 +42,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.decoder import MLP, DecoderLayer, DecoderLM, GQAttention, MTPLayer
+from models.flops import LayerFlops, gqa_layer, routed_ffn, swiglu
 from models.layers import rope_config_from_hf, rope_cos_sin, rope_frequencies
 from models.moe import sigmoid_moe
 
@@ -133,6 +134,13 @@ class Glm4MoeConfig:
         return dataclasses.replace(self, num_mtp_layers=len(found))
 
     # -- presets ---------------------------------------------------------------------------------
+
+    def layer_flops(self) -> list[LayerFlops]:
+        """Per-layer cost of a token (models/flops.py): GQA attention; dense SwiGLU in the first
+        `first_k_dense_replace` layers, then a sigmoid-routed MoE with the shared expert."""
+        moe = routed_ffn(self, self.n_routed_experts, self.moe_intermediate_size, self.n_shared_experts)
+        dense = swiglu(self.hidden_size, self.intermediate_size)
+        return [gqa_layer(self, moe if self.is_moe_layer(i) else dense) for i in range(self.num_hidden_layers)]
 
     @classmethod
     def tiny(cls, vocab_size: int = 256, **overrides: Any) -> Glm4MoeConfig:

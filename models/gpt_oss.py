@@ -34,6 +34,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.decoder import DecoderLayer, DecoderLM, GQAttention
+from models.flops import LayerFlops, gqa_layer, routed_ffn
 from models.layers import ROPE_TYPES, rope_config_from_hf, rope_cos_sin, rope_frequencies
 from models.moe import Experts, MoE, Router
 
@@ -112,6 +113,12 @@ class GptOssConfig:
         return self.sliding_window if self.layer_types[i] == SLIDING else None
 
     # -- presets ---------------------------------------------------------------------------------
+
+    def layer_flops(self) -> list[LayerFlops]:
+        """Per-layer cost of a token (models/flops.py): GQA attention (128-token windows on alternate
+        layers) and a routed MoE in every layer, no shared expert."""
+        ffn = routed_ffn(self, self.num_local_experts, self.intermediate_size)
+        return [gqa_layer(self, ffn, self.layer_window(i)) for i in range(self.num_hidden_layers)]
 
     @classmethod
     def tiny(cls, vocab_size: int = 256, **overrides: Any) -> GptOssConfig:

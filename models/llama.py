@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.decoder import MLP, DecoderLayer, DecoderLM, GQAttention
+from models.flops import LayerFlops, gqa_layer, swiglu
 from models.layers import rope_config_from_hf, rope_cos_sin, rope_frequencies
 
 ARCH_TO_MODEL_TYPE = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"}
@@ -78,6 +79,10 @@ class LlamaConfig:
             raise ValueError("head_dim must be even for rotary embeddings")
 
     # -- presets ---------------------------------------------------------------------------------
+
+    def layer_flops(self) -> list[LayerFlops]:
+        """Per-layer cost of a token (models/flops.py): GQA attention and a SwiGLU MLP in every layer."""
+        return [gqa_layer(self, swiglu(self.hidden_size, self.intermediate_size))] * self.num_hidden_layers
 
     @classmethod
     def tiny(cls, vocab_size: int = 256, **overrides: Any) -> LlamaConfig:

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from models.decoder import MLP, DecoderLayer, DecoderLM, GQAttention
+from models.flops import LayerFlops, gqa_layer, routed_ffn, swiglu
 from models.layers import rope_config_from_hf, rope_cos_sin, rope_frequencies
 from models.moe import Experts, MoE, Router
 
@@ -109,6 +110,13 @@ class Qwen3MoeConfig:
         return self.sliding_window if self.use_sliding_window else None
 
     # -- presets ---------------------------------------------------------------------------------
+
+    def layer_flops(self) -> list[LayerFlops]:
+        """Per-layer cost of a token (models/flops.py): GQA attention; a routed MoE (softmax router, no
+        shared expert) or, in `mlp_only_layers`, a dense SwiGLU MLP; sliding windows where configured."""
+        return [gqa_layer(self, routed_ffn(self, self.num_experts, self.moe_intermediate_size) if self.is_moe_layer(i)
+                          else swiglu(self.hidden_size, self.intermediate_size), self.layer_window(i))
+                for i in range(self.num_hidden_layers)]
 
     @classmethod
     def tiny(cls, vocab_size: int = 256, **overrides: Any) -> Qwen3MoeConfig:

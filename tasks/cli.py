@@ -61,8 +61,8 @@ def stage_main(doc: str, config_cls: type[BaseModel], args: dict[str, dict[str, 
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    from tasks.distributed import initialize_from_env
-    from tasks.train import TrainingDiverged
+    from tasks.training.config import TrainingDiverged
+    from tasks.training.distributed import initialize_from_env
 
     configure_jax()
     try:

@@ -62,62 +62,26 @@ import tempfile
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
-from typing import Literal
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import ValidationError
 
-from tasks import chat, corpora
-from tasks.corpora import Document
+from tasks.configs import DataPrepConfig
+from tasks.data import chat, corpora
+from tasks.data.corpora import SPECIAL_TOKENS, Document
+from tasks.data.rows import PROMPT_SCHEMA, ROW_SCHEMA, SPLITS, rows_table
+from tasks.data.tokens import find_special_tokens
 
 log = logging.getLogger(__name__)
 
-SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", corpora.USER, corpora.ASSISTANT]
-
-# Candidate spellings for a supplied tokenizer, most specific first (tokenizer_config.json wins).
-EOS_CANDIDATES = ["<|eos|>", "<|endoftext|>", "<|end_of_text|>", "</s>", "<｜end▁of▁sentence｜>", "<eos>",
-                  "<|end|>", "<|im_end|>", "<|eot_id|>", "[SEP]"]
-BOS_CANDIDATES = ["<|bos|>", "<|begin_of_text|>", "<s>", "<｜begin▁of▁sentence｜>", "<bos>",
-                  "<|startoftext|>", "[CLS]"]
-PAD_CANDIDATES = ["<|pad|>", "<pad>", "[PAD]", "<|finetune_right_pad_id|>", "<|padding|>"]
 
 PROMPT_CAP = 64  # plain text prompts: first half of the document, at most this many tokens ...
 REFERENCE_CAP = 64  # ... and the next at most this many tokens as the reference
 _OPEN_ROWS = 8  # partly filled rows kept open per split for first-fit packing
 _ENCODE_BATCH_DOCS = 64
 _ENCODE_BATCH_CHARS = 4_000_000
-
-ROW_SCHEMA = pa.schema([
-    ("input_ids", pa.list_(pa.int32())),
-    ("target_ids", pa.list_(pa.int32())),
-    ("positions", pa.list_(pa.int32())),
-    ("segment_ids", pa.list_(pa.int32())),
-    ("loss_mask", pa.list_(pa.int8())),
-])
-PROMPT_SCHEMA = pa.schema([
-    ("prompt_ids", pa.list_(pa.int32())),
-    ("reference_ids", pa.list_(pa.int32())),
-    ("prompt_text", pa.string()),
-])
-SPLITS = ("train", "valid")
-
-
-class DataPrepConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    corpus: str = "builtin://python-stdlib"  # URL / path / glob read through `storage`, or builtin://NAME
-    format: Literal["auto", "jsonl", "parquet", "text"] = "auto"  # auto: by file extension
-    text_field: str = "text"
-    messages_field: str = "messages"
-    seq_len: int = Field(256, ge=8, le=1 << 20)
-    vocab_size: int = Field(4096, ge=len(SPECIAL_TOKENS) + 256 + 1)  # only when training a tokenizer
-    valid_fraction: float = Field(0.05, ge=0.0, lt=1.0)
-    max_documents: int | None = Field(None, ge=1)
-    max_prompts: int = Field(64, ge=0)
-    shard_rows: int = Field(2048, ge=1)
-    seed: int = 0  # which valid documents become prompts (reservoir sample); the split is unseeded
 
 
 def split_of(group: str, valid_fraction: float) -> str:
@@ -143,38 +107,6 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int):
     )
     tok.train_from_iterator(texts, trainer=trainer)
     return tok
-
-
-def _token_name(value) -> str | None:
-    if isinstance(value, dict):
-        value = value.get("content")
-    return value if isinstance(value, str) and value else None
-
-
-def find_special_tokens(tok, tokenizer_config: dict | None = None) -> dict:
-    """pad/bos/eos ids of a tokenizer: tokenizer_config.json's names first, then known spellings."""
-    cfg = tokenizer_config or {}
-
-    def pick(key: str, candidates: list[str]) -> tuple[str, int] | None:
-        for name in [_token_name(cfg.get(f"{key}_token")), *candidates]:
-            if name is not None and (i := tok.token_to_id(name)) is not None:
-                return name, i
-        return None
-
-    eos = pick("eos", EOS_CANDIDATES)
-    if eos is None:
-        raise ValueError(
-            "tokenizer: no end-of-sequence token found (looked for tokenizer_config.json's eos_token and "
-            + ", ".join(EOS_CANDIDATES) + ")"
-        )
-    bos = pick("bos", BOS_CANDIDATES) or eos  # GPT-2/Qwen style: the eos token also opens documents
-    pad = pick("pad", PAD_CANDIDATES) or eos  # padding is masked out everywhere; its id only fills space
-    out = {"pad": pad[1], "bos": bos[1], "eos": eos[1],
-           "pad_token": pad[0], "bos_token": bos[0], "eos_token": eos[0]}
-    for key, name in (("user", corpora.USER), ("assistant", corpora.ASSISTANT)):
-        if (i := tok.token_to_id(name)) is not None:
-            out[key] = i
-    return out
 
 
 def _read_bytes(location: str) -> bytes:
@@ -310,13 +242,8 @@ class _ShardWriter:
             self._flush()
 
     def _flush(self) -> None:
-        n, T = self.n_buf, self.T
-        offsets = pa.array(np.arange(0, (n + 1) * T, T, dtype=np.int32))
-        table = pa.table(
-            [pa.ListArray.from_arrays(offsets, pa.array(self.buf[name][:n].reshape(-1)))
-             for name in ROW_SCHEMA.names],
-            schema=ROW_SCHEMA,
-        )
+        n = self.n_buf
+        table = rows_table({name: self.buf[name][:n] for name in ROW_SCHEMA.names})
         name = f"{self.split}-{len(self.shards):05d}.parquet"
         with pq.ParquetWriter(self.out_dir / name, ROW_SCHEMA, compression="zstd") as w:
             w.write_table(table, row_group_size=min(n, 1024) or None)

@@ -27,14 +27,13 @@ import json
 import logging
 import math
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pyarrow.parquet as pq
 from flax import nnx
-from pydantic import BaseModel, ConfigDict, Field
 
 import models
 from models.eagle3 import (
@@ -48,37 +47,17 @@ from models.eagle3 import (
 )
 from models.layers import Buffer, param
 from tasks.cli import PATH, stage_main
-from tasks.finetune import model_dir
+from tasks.configs import DraftConfig
+from tasks.data.features import target_features
+from tasks.data.rows import load_hidden
+from tasks.layout import draft_dir, model_dir
 from tasks.stage import StageContext
-from tasks.traces import load_hidden, target_features
-from tasks.train import Checkpoints, PackedBatches, Progress, TrainConfig, Trainer, fit
+from tasks.training.checkpoints import Checkpoints
+from tasks.training.data import PackedBatches
+from tasks.training.loop import Progress, fit
+from tasks.training.trainer import Trainer
 
 log = logging.getLogger("forgeline.draft")
-
-
-class DraftConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    k: int = Field(5, ge=1)  # draft tokens per verify forward the export recommends to engines
-    ttt_steps: int = Field(7, ge=1)  # training-time-test unroll length (EAGLE-3: 7)
-    ttt_decay: float = Field(0.8, gt=0, le=1)  # step k's loss weight = decay^k
-    draft_vocab_size: int = Field(32000, ge=1)  # capped at the target's vocabulary
-    intermediate_size: int | None = Field(None, ge=1)  # None: Eagle3Config.for_target's default
-    num_attention_heads: int | None = Field(None, ge=1)
-    num_key_value_heads: int | None = Field(None, ge=1)
-    export_dtype: Literal["bfloat16", "float32"] = "bfloat16"
-    target: str = "finetuned"  # the model the draft serves with: "finetuned" or a quantized scheme (`serve`)
-    seed: int = 0
-    train: TrainConfig = TrainConfig(steps=300, batch_size=16, learning_rate=3e-3, warmup_steps=20,
-                                     checkpoint_every=100)
-
-
-def draft_dir(path: Path) -> Path:
-    """The SGLang-layout folder inside a draft artifact (`draft/sglang`), a bundle's `draft/`, or `path`."""
-    for cand in (path / "draft" / "sglang", path / "sglang"):
-        if (cand / "config.json").exists():
-            return cand
-    return path
 
 
 # -- data ------------------------------------------------------------------------------------------

@@ -36,102 +36,18 @@ import numpy as np
 import optax
 import pyarrow.parquet as pq
 from flax import nnx
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 import models
 from models.eagle3 import load_eagle3
 from models.generate import generate
 from models.speculative import MTPDraft, speculative_generate
 from tasks.cli import OPTIONAL_PATH, PATH, stage_main
-from tasks.draft import draft_dir
-from tasks.finetune import model_dir
+from tasks.configs import EvalConfig, Gates
+from tasks.layout import draft_dir, model_dir
 from tasks.stage import StageContext, read_report, write_report
-from tasks.train import PackedBatches
+from tasks.training.data import PackedBatches
 
 log = logging.getLogger("forgeline.evaluate")
-
-
-class Gates(BaseModel):
-    """What a release must pass before it is exported. A recipe declares them; `forgeline release --set`
-    may make one stricter, while loosening or disabling one takes `--allow-weaker-gates` and is recorded
-    as a waiver (`waivers`). At least one gate must be enabled."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    finetune_improves: bool = True  # fine-tuned held-out perplexity below the base's
-    # scheme ppl <= (1 + limit) x fine-tuned ppl; one number for every scheme, or limits keyed by scheme name
-    # or by its family (the name's first part: int8, w8a16, w4a16, fp8); the defaults are the issue's aims
-    max_quant_ppl_increase: float | dict[str, float] = Field(
-        default_factory=lambda: {"int8": 0.005, "w8a16": 0.005, "fp8": 0.003, "w4a16": 0.02})
-    speculative_lossless: bool = True
-    min_acceptance_length: float = Field(1.2, ge=0)  # 0 disables the gate
-
-    def quant_limit(self, scheme: str) -> float:
-        limits = self.max_quant_ppl_increase
-        if not isinstance(limits, dict):
-            return float(limits)
-        for key in (scheme, scheme.split("-", 1)[0]):
-            if key in limits:
-                return float(limits[key])
-        raise ValueError(f"evaluate.gates.max_quant_ppl_increase has no limit for scheme {scheme!r} "
-                         f"(keys: {sorted(limits)})")
-
-    def enabled(self, schemes: list[str] | tuple[str, ...]) -> list[str]:
-        """The gates that will judge a release shipping `schemes` (empty: nothing would be checked)."""
-        on = [name for name in ("finetune_improves", "speculative_lossless") if getattr(self, name)]
-        on += ["min_acceptance_length"] if self.min_acceptance_length > 0 else []
-        return on + [f"max_quant_ppl_increase[{s}]" for s in schemes]
-
-    def waivers(self, declared: Gates, schemes: list[str] | tuple[str, ...]) -> list[dict[str, Any]]:
-        """Every way these gates are weaker than `declared`: a check switched off, a lower acceptance floor,
-        a larger perplexity allowance for a shipped scheme. [] when these are as strict or stricter."""
-        out = []
-        for name in ("finetune_improves", "speculative_lossless"):
-            if getattr(declared, name) and not getattr(self, name):
-                out.append({"gate": f"evaluate.gates.{name}", "declared": True, "effective": False})
-        if self.min_acceptance_length < declared.min_acceptance_length:
-            out.append({"gate": "evaluate.gates.min_acceptance_length", "declared": declared.min_acceptance_length,
-                        "effective": self.min_acceptance_length})
-        for scheme in schemes:
-            try:
-                was = declared.quant_limit(scheme)
-            except ValueError:
-                continue  # a scheme the command line added: its limit is new, not loosened
-            if self.quant_limit(scheme) > was:
-                out.append({"gate": f"evaluate.gates.max_quant_ppl_increase[{scheme}]", "declared": was,
-                            "effective": self.quant_limit(scheme)})
-        return out
-
-
-class EvalConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    batch_size: int = Field(16, ge=1)
-    eval_batches: int = Field(16, ge=1)
-    spec_prompts: int = Field(16, ge=1)
-    spec_prompt_len: int = Field(48, ge=2)
-    spec_max_new_tokens: int = Field(64, ge=1)
-    spec_k: int = Field(5, ge=1)  # draft tokens per verify forward (chain)
-    spec_batch_size: int = Field(1, ge=1)  # rows decoded together, by both the plain and the speculative decoder
-    spec_temperatures: list[float] = Field([0.0, 1.0], min_length=1)
-    spec_tree: bool = True  # also measure EAGLE-2 dynamic-tree drafting (temperature 0, batch 1)
-    tree_top_k: int = Field(4, ge=1)
-    tree_depth: int = Field(5, ge=1)
-    tree_tokens: int = Field(16, ge=1)
-    spec_target: str = "finetuned"  # the model the draft serves with: "finetuned" or a quantized scheme
-    seed: int = 0
-    gates: Gates = Gates()
-    # The recipe's own gates when the command line loosened them (`--allow-weaker-gates`): the report lists
-    # the waivers and says whether the release also passed the gates as declared.
-    declared_gates: Gates | None = None
-
-    @model_validator(mode="after")
-    def _check(self) -> EvalConfig:
-        if any(t < 0 for t in self.spec_temperatures):
-            raise ValueError("spec_temperatures must be >= 0")
-        if self.spec_tree and self.spec_batch_size != 1:
-            raise ValueError("spec_tree needs spec_batch_size 1 (tree drafting decodes one sequence)")
-        return self
 
 
 # -- quality ---------------------------------------------------------------------------------------

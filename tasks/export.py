@@ -20,22 +20,13 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
-
 from storage import code_version, git_sha
+from tasks.configs import ExportConfig
 from tasks.stage import StageContext
 
 
 class GateError(RuntimeError):
     """The release failed an eval gate in force; nothing is exported."""
-
-
-class ExportConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    name: str
-    recipe: dict[str, Any]
-    enforce_gates: bool = True
 
 
 def _copytree(src: Path, dst: Path) -> None:

@@ -11,48 +11,27 @@ checkpoint under `<store>/checkpoints/finetune/<fingerprint>/` after a crash or 
 from __future__ import annotations
 
 import logging
-import shutil
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from pydantic import BaseModel, ConfigDict, Field
 
 import models
 import storage
 from models import lora
 from storage import Store
 from tasks.cli import OPTIONAL_PATH, PATH, stage_main
-from tasks.distributed import is_primary
+from tasks.configs import FinetuneConfig
+from tasks.layout import model_dir, save_model_dir
 from tasks.stage import StageContext
-from tasks.train import Checkpoints, Progress, TrainConfig, Trainer, fit
+from tasks.training.checkpoints import Checkpoints
+from tasks.training.distributed import is_primary
+from tasks.training.loop import Progress, fit
+from tasks.training.trainer import Trainer
 
 log = logging.getLogger("forgeline.finetune")
-
-
-class FinetuneConfig(BaseModel):
-    """`mode: lora` trains only adapters on the modules whose HF path fullmatches one of `lora_targets`
-    (regexes; a bare name like `q_proj` matches that module in every layer; the default is every
-    projection: attention incl. MLA, dense MLP, shared and routed experts, never routers or the head)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    mode: Literal["lora", "full"] = "lora"
-    lora_rank: int = Field(16, ge=1)
-    lora_alpha: float = Field(32.0, gt=0)
-    lora_dropout: float = Field(0.0, ge=0, lt=1)
-    lora_targets: tuple[str, ...] = lora.ALL_LINEAR
-    train: TrainConfig = TrainConfig(steps=150, learning_rate=2e-3, warmup_steps=10, checkpoint_every=50)
-
-
-def save_model_dir(model: nnx.Module, out: Path, tokenizer_dir: Path) -> None:
-    """HF layout plus the tokenizer files that travel with every checkpoint we write."""
-    models.save_pretrained(model, str(out))
-    for name in ("tokenizer.json", "special_tokens.json", "tokenizer_config.json"):
-        if (tokenizer_dir / name).exists():
-            shutil.copyfile(tokenizer_dir / name, out / name)
 
 
 def finetune(
@@ -104,20 +83,6 @@ def compute(cfg: FinetuneConfig, progress: Progress | None = None):
             ckpt.close()
 
     return _compute
-
-
-def model_dir(artifact_dir: Path, variant: str = "finetuned") -> Path:
-    """The HF checkpoint in an artifact (`model/`, or `draft/` for a draft artifact) or a bare HF folder;
-    `variant` other than "finetuned" names a quantized scheme inside a quantize artifact (`<scheme>/`)."""
-    if variant != "finetuned":
-        if not (artifact_dir / variant / "config.json").exists():
-            have = sorted(p.name for p in artifact_dir.iterdir() if (p / "config.json").exists())
-            raise ValueError(f"{artifact_dir}: no quantized variant {variant!r} (have: {have})")
-        return artifact_dir / variant
-    for sub in ("model", "draft"):
-        if (artifact_dir / sub / "config.json").exists():
-            return artifact_dir / sub
-    return artifact_dir
 
 
 def main(argv: list[str] | None = None) -> None:

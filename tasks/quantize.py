@@ -23,45 +23,16 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 import models
 from models import quant
 from tasks.cli import PATH, stage_main
-from tasks.finetune import model_dir
+from tasks.configs import CalibrationConfig, QuantizeConfig
+from tasks.layout import model_dir
 from tasks.stage import StageContext, write_report
-from tasks.train import PackedBatches
+from tasks.training.data import PackedBatches
 
 log = logging.getLogger("forgeline.quantize")
-
-
-class CalibrationConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    samples: int = Field(64, ge=1)  # packed rows of the train split (capped at the rows there are)
-    batch_size: int = Field(8, ge=1)
-    min_tokens: int = Field(2048, ge=1)  # fewer real (non-padding) calibration tokens is an error
-    seed: int = 0
-
-
-class QuantizeConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    schemes: tuple[str, ...] = ("int8", "w4a16-gptq")
-    ignore: tuple[str, ...] = ()  # more modules left in float: HF names or "re:" regexes (lm_head always is)
-    calibration: CalibrationConfig = CalibrationConfig()
-    dampening_frac: float = Field(0.01, gt=0)  # GPTQ: added to H's diagonal, x mean(diag H)
-    expert_min_tokens: int = Field(16, ge=0)  # an expert with fewer routed tokens uses its layer's pooled stats
-    awq_grid: int = Field(20, ge=2)
-
-    @field_validator("schemes")
-    @classmethod
-    def _known(cls, v: tuple[str, ...]) -> tuple[str, ...]:
-        for name in v:
-            quant.parse_scheme(name)
-        if len(set(v)) != len(v):
-            raise ValueError(f"schemes {list(v)} repeat a scheme")
-        return v
 
 
 def check_fits(cfg: QuantizeConfig, model: Any) -> None:

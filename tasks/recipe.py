@@ -12,13 +12,15 @@ from typing import Any, TypeVar
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
-from tasks.base import BaseConfig
-from tasks.data_prep import DataPrepConfig
-from tasks.draft import DraftConfig
-from tasks.evaluate import EvalConfig
-from tasks.finetune import FinetuneConfig
-from tasks.quantize import QuantizeConfig
-from tasks.traces import TracesConfig
+from tasks.configs import (
+    BaseModelConfig,
+    DataPrepConfig,
+    DraftConfig,
+    EvalConfig,
+    FinetuneConfig,
+    QuantizeConfig,
+    TracesConfig,
+)
 
 RECIPES = Path(__file__).parent / "recipes"
 M = TypeVar("M", bound=BaseModel)
@@ -43,7 +45,7 @@ class ReleaseConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     name: str = "forgeline-tiny"
-    base: BaseConfig = BaseConfig()
+    base: BaseModelConfig = BaseModelConfig()
     data: DataPrepConfig = DataPrepConfig(corpus="builtin://python-stdlib-functions")
     finetune: FinetuneConfig = FinetuneConfig()
     traces: TracesConfig = TracesConfig()

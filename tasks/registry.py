@@ -12,9 +12,10 @@ from typing import Any
 from pydantic import BaseModel
 
 from storage import ArtifactRef, Store
-from tasks import base, data_prep, draft, evaluate, export, finetune, quantize, traces
+from tasks import base_model, data_prep, draft, evaluate, export, finetune, quantize, traces
+from tasks.layout import model_dir
 from tasks.stage import Compute, StageContext, run_stage, stage_fingerprint
-from tasks.train import Progress
+from tasks.training.loop import Progress
 
 
 def _data_prep(cfg: data_prep.DataPrepConfig, progress: Progress | None = None) -> Compute:
@@ -22,7 +23,7 @@ def _data_prep(cfg: data_prep.DataPrepConfig, progress: Progress | None = None) 
 
     def _compute(ctx: StageContext) -> dict[str, Any]:
         tok = ctx.inputs.get("tokenizer")
-        tok_json = finetune.model_dir(tok) / "tokenizer.json" if tok is not None else None
+        tok_json = model_dir(tok) / "tokenizer.json" if tok is not None else None
         return data_prep.run_local(cfg, ctx.out_dir, tokenizer_json=tok_json)
 
     return _compute
@@ -30,7 +31,7 @@ def _data_prep(cfg: data_prep.DataPrepConfig, progress: Progress | None = None) 
 
 STAGES: dict[str, tuple[type[BaseModel], Callable[..., Compute]]] = {
     "data_prep": (data_prep.DataPrepConfig, _data_prep),
-    "base": (base.BaseConfig, base.compute),
+    "base": (base_model.BaseModelConfig, base_model.compute),
     "finetune": (finetune.FinetuneConfig, finetune.compute),
     "traces": (traces.TracesConfig, lambda cfg, progress=None: traces.compute(cfg)),
     "draft": (draft.DraftConfig, lambda cfg, progress=None: draft.compute(

@@ -40,84 +40,43 @@ inside its jitted step, `hidden_for_rows` (offline) jits it over packed rows.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import logging
 import os
 import shutil
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pyarrow as pa
 import pyarrow.parquet as pq
 from flax import nnx
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
-from safetensors.numpy import save_file
 from tokenizers import Tokenizer
 
 import models
 import storage
 from models.eagle3 import default_aux_layer_ids
 from models.generate import generate
-from models.hf import NUMPY_DTYPES, read_safetensors_header
 from tasks.cli import PATH, stage_main
-from tasks.data_prep import ROW_SCHEMA
-from tasks.finetune import model_dir
+from tasks.configs import TracesConfig
+from tasks.data.features import hidden_for_rows
+from tasks.data.rows import COLUMNS, SPLITS, pack, read_rows, write_hidden, write_rows
+from tasks.layout import TOKENIZER_FILES, model_dir
 from tasks.stage import StageContext, write_report
-from tasks.train import COLUMNS
 
 log = logging.getLogger("forgeline.traces")
 
-SPLITS = ("train", "valid")
 PROGRESS_DIR = ".progress"  # local shard markers (removed from a stage's committed output)
-HIDDEN_FORMAT = "forgeline-traces-hidden/1"
-TOKENIZER_FILES = ("tokenizer.json", "special_tokens.json", "tokenizer_config.json")
 # fields that only choose which prompts exist; a shard's key covers its prompts themselves
 _PROMPT_SELECTION = {"num_prompts", "num_valid_prompts", "skip_prompts", "max_prompt_len"}
 
 
 def _canonical(obj: Any) -> str:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str)
-
-
-class TracesConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    num_prompts: int = Field(256, ge=1)  # training prompts to regenerate
-    skip_prompts: int = Field(0, ge=0)  # start after this many (a refresh takes prompts the last draft never saw)
-    num_valid_prompts: int = Field(32, ge=1)  # held-out prompts (the draft's validation split)
-    max_prompt_len: int = Field(160, ge=2)
-    max_new_tokens: int = Field(64, ge=1)
-    temperature: float = Field(0.8, ge=0)  # SpecForge regenerates at 0.8; 0 = greedy
-    top_p: float = Field(1.0, gt=0, le=1)
-    batch_size: int = Field(32, ge=1)  # generation and teacher-forcing batch (rows)
-    seq_len: int = Field(256, ge=8)
-    seed: int = 0
-    shard_prompts: int = Field(64, ge=1)  # prompts per shard: the unit of work, persistence and resumption
-    hidden_states: Literal["offline", "online"] = "offline"  # online: the draft trainer runs the target itself
-    aux_layer_ids: list[int] | None = Field(None, min_length=1)  # None: models.eagle3.default_aux_layer_ids
-    hidden_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
-    target: str = "finetuned"  # the model that answers: "finetuned" or a quantized scheme of a quantize artifact
-
-    @field_validator("aux_layer_ids")
-    @classmethod
-    def _non_negative(cls, ids: list[int] | None) -> list[int] | None:
-        if ids is not None and any(i < 0 for i in ids):
-            raise ValueError(f"aux_layer_ids {ids}: ids are 0-based decoder layer outputs, all >= 0")
-        return ids
-
-    @model_validator(mode="after")
-    def _prompt_leaves_room(self) -> TracesConfig:
-        if self.max_prompt_len >= self.seq_len:
-            raise ValueError(f"max_prompt_len {self.max_prompt_len} must be < seq_len {self.seq_len} "
-                             "(a prompt must leave room for its answer in a row)")
-        return self
 
 
 def resolve_aux_layer_ids(aux_layer_ids: Sequence[int] | None, num_layers: int) -> tuple[int, ...]:
@@ -223,124 +182,7 @@ def generate_shard(model: nnx.Module, prompts: list[list[int]], cfg: TracesConfi
 # -- packing into data_prep's row format -----------------------------------------------------------
 
 
-def pack(sequences: Iterator[tuple[list[int], list[int]]], seq_len: int, eos: int, pad: int) -> dict[str, list]:
-    """Greedy packing of (prompt, answer) pairs into rows of `seq_len`; loss on answer + eos only."""
-    rows: dict[str, list] = {c: [] for c in COLUMNS}
-    cur: dict[str, list[int]] = {c: [] for c in COLUMNS}
-
-    def flush() -> None:
-        if not cur["input_ids"]:
-            return
-        n = seq_len - len(cur["input_ids"])
-        for c in COLUMNS:
-            rows[c].append(cur[c] + [pad if c in ("input_ids", "target_ids") else 0] * n)
-            cur[c] = []
-
-    for prompt, answer in sequences:
-        seq = (prompt + answer + [eos])[: seq_len + 1]
-        inp, tgt = seq[:-1], seq[1:]
-        loss = [1 if t >= len(prompt) - 1 else 0 for t in range(len(inp))]
-        if len(cur["input_ids"]) + len(inp) > seq_len:
-            flush()
-        seg = (max(cur["segment_ids"]) + 1) if cur["segment_ids"] else 1
-        cur["input_ids"] += inp
-        cur["target_ids"] += tgt
-        cur["positions"] += list(range(len(inp)))
-        cur["segment_ids"] += [seg] * len(inp)
-        cur["loss_mask"] += loss
-    flush()
-    return rows
-
-
-def write_rows(rows: Mapping[str, Any], path: Path) -> int:
-    """Rows (lists or [R, T] arrays per column) as a data_prep-format Parquet file; returns R."""
-    arrays = {c: np.asarray(rows[c], np.int8 if c == "loss_mask" else np.int32) for c in COLUMNS}  # [R, T]
-    R, T = arrays["input_ids"].shape
-    offsets = pa.array(np.arange(0, (R + 1) * T, T, dtype=np.int32))
-    table = pa.table([pa.ListArray.from_arrays(offsets, pa.array(arrays[c].reshape(-1))) for c in COLUMNS],
-                     schema=ROW_SCHEMA)
-    pq.write_table(table, path, compression="zstd")
-    return R
-
-
-def read_rows(path: Path) -> dict[str, np.ndarray]:
-    """A packed Parquet shard as int32 arrays [R, T] per column."""
-    table = pq.read_table(path, columns=list(COLUMNS))
-    return {c: np.stack(table.column(c).to_numpy(zero_copy_only=False)).astype(np.int32) for c in COLUMNS}
-
-
 # -- hidden states ---------------------------------------------------------------------------------
-
-
-def target_features(model: nnx.Module, batch: Mapping[str, jax.Array],
-                    aux_layer_ids: Sequence[int]) -> tuple[jax.Array, jax.Array]:
-    """The EAGLE-3 features of packed rows, one teacher-forcing forward (pure, jittable; the ids are static).
-
-    batch: `input_ids`, `positions`, `segment_ids` [B, T] (data_prep's packed columns; segments attend
-    only within themselves, 0 = padding). Returns aux [B, T, n·D_t] (the outputs of decoder layers
-    `aux_layer_ids`, concatenated in that order) and final [B, T, D_t] (the final normed hidden: the
-    target's logits are `model.lm_logits(final)`), both zero at padding, in the model's dtype.
-    """
-    _, hidden = model(batch["input_ids"], positions=batch["positions"], segment_ids=batch["segment_ids"],
-                      return_hidden=tuple(aux_layer_ids) + (-1,))
-    real = (batch["segment_ids"] != 0)[..., None]  # [B, T, 1]
-    aux = jnp.where(real, jnp.concatenate(hidden[:-1], axis=-1), 0)  # [B, T, n·D_t]
-    final = jnp.where(real, hidden[-1], 0)  # [B, T, D_t]
-    return aux, final
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "aux_layer_ids", "dtype"))
-def _features_jit(graphdef, state, batch, *, aux_layer_ids: tuple[int, ...], dtype: str):
-    aux, final = target_features(nnx.merge(graphdef, state), batch, aux_layer_ids)
-    return aux.astype(jnp.dtype(dtype)), final.astype(jnp.dtype(dtype))  # the LM head is dead code here
-
-
-def hidden_for_rows(model: nnx.Module, rows: Mapping[str, np.ndarray], aux_layer_ids: Sequence[int],
-                    dtype: str | np.dtype = "float32", *, batch_size: int = 8) -> dict[str, np.ndarray]:
-    """`target_features` over packed rows [R, T] in fixed batches of `batch_size` (one compiled shape):
-    {"aux": [R, T, n·D_t], "final": [R, T, D_t]} as numpy arrays of `dtype` (bfloat16 via ml_dtypes)."""
-    name = jnp.dtype(dtype).name
-    R, T = np.shape(rows["input_ids"])
-    B = max(1, min(batch_size, R))
-    graphdef, state = nnx.split(model)
-    D, n = model.config.hidden_size, len(aux_layer_ids)
-    out = {"aux": np.zeros((R, T, n * D), jnp.dtype(name)), "final": np.zeros((R, T, D), jnp.dtype(name))}
-    for lo in range(0, R, B):
-        hi = min(lo + B, R)
-        batch = {}
-        for c in ("input_ids", "positions", "segment_ids"):
-            x = np.zeros((B, T), np.int32)  # rows past R: all padding
-            x[: hi - lo] = np.asarray(rows[c][lo:hi], np.int32)
-            batch[c] = x
-        aux, final = _features_jit(graphdef, state, batch, aux_layer_ids=tuple(aux_layer_ids), dtype=name)
-        out["aux"][lo:hi] = np.asarray(aux)[: hi - lo]
-        out["final"][lo:hi] = np.asarray(final)[: hi - lo]
-    return out
-
-
-def write_hidden(path: Path, hidden: Mapping[str, np.ndarray], aux_layer_ids: Sequence[int]) -> None:
-    """A hidden-state shard as safetensors (bfloat16 stored natively as BF16 through ml_dtypes)."""
-    # one metadata entry: safetensors writes several in hash order, and shards must be byte-reproducible
-    meta = {"forgeline": _canonical({"format": HIDDEN_FORMAT, "aux_layer_ids": list(aux_layer_ids),
-                                     "dtype": hidden["aux"].dtype.name})}
-    save_file({k: np.ascontiguousarray(v) for k, v in hidden.items()}, str(path), metadata=meta)
-
-
-def load_hidden(path: str | Path) -> dict[str, np.ndarray]:
-    """A hidden-state shard ({"aux": [R, T, n·D_t], "final": [R, T, D_t]}) as float32 arrays,
-    whatever dtype it was stored in (BF16 / F16 / F32)."""
-    header = read_safetensors_header(str(path))
-    start = header.pop("__data_start__")
-    raw = np.memmap(path, np.uint8, mode="r")
-    out = {}
-    for name, info in header.items():
-        begin, end = info["data_offsets"]
-        data = raw[start + begin : start + end].view(NUMPY_DTYPES[info["dtype"]])
-        out[name] = data.reshape(info["shape"]).astype(np.float32)
-    return out
-
-
-# -- shard persistence -----------------------------------------------------------------------------
 
 
 def shard_key(cfg: TracesConfig, run_key: str, split: str, index: int, prompts: list[list[int]]) -> str:

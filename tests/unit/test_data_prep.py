@@ -18,8 +18,9 @@ from pydantic import ValidationError
 from tokenizers import Tokenizer
 
 import storage
-from tasks import corpora, data_prep
-from tasks.corpora import Document
+from tasks import data_prep
+from tasks.data import corpora, tokens
+from tasks.data.corpora import Document
 from tasks.data_prep import DataPrepConfig, prepare, run_local, split_of
 
 pytestmark = pytest.mark.unit
@@ -394,7 +395,7 @@ def test_given_tokenizer_special_tokens(tmp_path):
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
     tok.save(str(ckpt / "tokenizer.json"))
-    sp = data_prep.find_special_tokens(tok)
+    sp = tokens.find_special_tokens(tok)
     assert sp["eos"] == sp["bos"] == sp["pad"] == tok.token_to_id("<|endoftext|>")
     # a checkpoint folder works too
     raw, tcfg = data_prep.load_tokenizer(ckpt)
@@ -409,14 +410,14 @@ def test_given_tokenizer_special_tokens(tmp_path):
     tok.save(str(ckpt / "tokenizer.json"))
     (ckpt / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>", "bos_token": {"content": "<s>"}}))
     raw, tcfg = data_prep.load_tokenizer(ckpt / "tokenizer.json")
-    sp = data_prep.find_special_tokens(Tokenizer.from_str(raw.decode()), tcfg)
+    sp = tokens.find_special_tokens(Tokenizer.from_str(raw.decode()), tcfg)
     assert (sp["eos_token"], sp["bos_token"], sp["pad_token"]) == ("</s>", "<s>", "</s>")
 
     bare = Tokenizer(models.BPE())
     bare.add_tokens(["x"])
     with pytest.raises(ValueError, match="no end-of-sequence token"):
-        data_prep.find_special_tokens(bare)
-    assert data_prep.find_special_tokens(bare, {"eos_token": {"content": "x"}})["eos"] == bare.token_to_id("x")
+        tokens.find_special_tokens(bare)
+    assert tokens.find_special_tokens(bare, {"eos_token": {"content": "x"}})["eos"] == bare.token_to_id("x")
 
 
 # ------------------------------------------------------------------------------------------- errors

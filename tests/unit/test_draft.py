@@ -10,7 +10,7 @@ import pytest
 
 from tasks import draft as dr
 from tasks import traces as tr
-from tasks.train import TrainConfig
+from tasks.training.config import TrainConfig
 
 pytestmark = pytest.mark.unit
 

@@ -22,17 +22,9 @@ from models.gpt_oss import GptOss, GptOssConfig
 from models.llama import Llama, LlamaConfig
 from models.lora import apply_lora
 from models.qwen3_moe import Qwen3Moe, Qwen3MoeConfig
-from tasks.metrics import (
-    ProgressBar,
-    StepMetrics,
-    TensorBoardWriter,
-    attended_keys,
-    crc32c,
-    masked_crc32c,
-    matmul_params_per_token,
-    matmul_peak_flops,
-    train_flops_per_token,
-)
+from tasks.training.flops import attended_keys, matmul_params_per_token, matmul_peak_flops, train_flops_per_token
+from tasks.training.progress import ProgressBar, StepMetrics
+from tasks.training.tensorboard import TensorBoardWriter, crc32c, masked_crc32c
 
 pytestmark = pytest.mark.unit
 

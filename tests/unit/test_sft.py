@@ -18,7 +18,7 @@ from tokenizers import Tokenizer, decoders, pre_tokenizers, trainers
 from tokenizers import models as bpe
 
 import models
-from tasks import chat, corpora
+from tasks.data import chat, corpora
 from tasks.data_prep import DataPrepConfig, load_chat_template, prepare, run_local
 
 pytestmark = pytest.mark.unit

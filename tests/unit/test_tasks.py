@@ -10,11 +10,14 @@ import numpy as np
 import pytest
 
 from storage import Store
+from tasks.data.rows import pack
 from tasks.evaluate import Gates, gates
 from tasks.recipe import ConfigError, apply_overrides, load_recipe, parse_overrides
 from tasks.stage import run_stage
-from tasks.traces import pack
-from tasks.train import PackedBatches, TrainConfig, Trainer, fit
+from tasks.training.config import TrainConfig
+from tasks.training.data import PackedBatches
+from tasks.training.loop import fit
+from tasks.training.trainer import Trainer
 
 pytestmark = pytest.mark.unit
 

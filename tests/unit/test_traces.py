@@ -15,6 +15,8 @@ from pydantic import ValidationError
 import storage
 from storage import Store
 from tasks import traces as tr
+from tasks.data import features
+from tasks.data import rows as row_files
 from tasks.stage import run_stage, stage_fingerprint
 
 pytestmark = pytest.mark.unit
@@ -78,8 +80,8 @@ def test_offline_hidden_states_are_the_models_forward(target, reference):
     for split, n in (("train", 3), ("valid", 1)):
         assert report["shards"][split] == [f"{split}-{i:05d}.parquet" for i in range(n)]
         for i in range(n):
-            rows = tr.read_rows(out / f"{split}-{i:05d}.parquet")
-            hidden = tr.load_hidden(out / f"hidden-{split}-{i:05d}.safetensors")
+            rows = row_files.read_rows(out / f"{split}-{i:05d}.parquet")
+            hidden = row_files.load_hidden(out / f"hidden-{split}-{i:05d}.safetensors")
             R, T = rows["input_ids"].shape
             total_rows += R
             assert T == CFG.seq_len and hidden["aux"].shape == (R, T, 3 * D) and hidden["final"].shape == (R, T, D)
@@ -102,14 +104,14 @@ def test_offline_hidden_states_are_the_models_forward(target, reference):
     assert [s["split"] for s in samples] == ["train"] * 2 + ["valid"] * 2  # 2 prompts per first shard
 
     # bfloat16: what hidden_for_rows stores is the fp32 features rounded to bf16, read back by load_hidden
-    rows = tr.read_rows(out / "train-00000.parquet")
-    bf16 = tr.hidden_for_rows(model, rows, [0, 1, 2], "bfloat16", batch_size=4)
+    rows = row_files.read_rows(out / "train-00000.parquet")
+    bf16 = features.hidden_for_rows(model, rows, [0, 1, 2], "bfloat16", batch_size=4)
     assert bf16["aux"].dtype.name == "bfloat16"
-    tr.write_hidden(out.parent / "bf16.safetensors", bf16, [0, 1, 2])
+    row_files.write_hidden(out.parent / "bf16.safetensors", bf16, [0, 1, 2])
     raw = (out.parent / "bf16.safetensors").read_bytes()
     assert b'"dtype":"BF16"' in raw[:400]
-    back = tr.load_hidden(out.parent / "bf16.safetensors")
-    ref = tr.load_hidden(out / "hidden-train-00000.safetensors")
+    back = row_files.load_hidden(out.parent / "bf16.safetensors")
+    ref = row_files.load_hidden(out / "hidden-train-00000.safetensors")
     for k in ("aux", "final"):
         assert back[k].dtype == np.float32
         np.testing.assert_allclose(back[k], ref[k], rtol=2**-8, atol=1e-6)

@@ -14,7 +14,11 @@ from flax import nnx
 
 from models import deepseek_v3, llama
 from models.sharding import make_mesh
-from tasks.train import Checkpoints, TrainConfig, Trainer, TrainingDiverged, decay_mask, fit, muon_dims
+from tasks.training.checkpoints import Checkpoints
+from tasks.training.config import TrainConfig, TrainingDiverged
+from tasks.training.loop import fit
+from tasks.training.optimizers import decay_mask, muon_dims
+from tasks.training.trainer import Trainer
 
 pytestmark = pytest.mark.unit
 

@@ -24,7 +24,8 @@ CHILD = textwrap.dedent("""
     from flax import nnx
     from models import llama, deepseek_v3
     from models.sharding import make_mesh
-    from tasks.train import MeshConfig, TrainConfig, Trainer
+    from tasks.training.config import MeshConfig, TrainConfig
+    from tasks.training.trainer import Trainer
 
     assert jax.device_count() == 8, jax.devices()
     B, T, V = 8, 24, 256

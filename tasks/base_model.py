@@ -5,7 +5,7 @@ copied into the store, or -- since no real weights can be downloaded on the deve
 a short, documented pretraining run from a scratch initialisation on the base corpus (the default
 recipe pretrains a small Llama on the Python standard library's source).
 
-    python -m tasks.base --data DIR --out DIR [--set model.hidden_size=256 train.steps=300 ...]
+    python -m tasks.base_model --data DIR --out DIR [--set model.hidden_size=256 train.steps=300 ...]
 """
 
 from __future__ import annotations
@@ -13,56 +13,23 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import jax
 from flax import nnx
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 from tokenizers import Tokenizer
 
 import models
 import storage
 from tasks.cli import OPTIONAL_PATH, stage_main
-from tasks.data_prep import DataPrepConfig
-from tasks.finetune import save_model_dir
+from tasks.configs import BaseModelConfig, ModelShape
+from tasks.layout import save_model_dir
 from tasks.stage import StageContext
-from tasks.train import Checkpoints, Progress, TrainConfig, Trainer, fit
+from tasks.training.checkpoints import Checkpoints
+from tasks.training.loop import Progress, fit
+from tasks.training.trainer import Trainer
 
 log = logging.getLogger("forgeline.base")
-
-
-class ModelShape(BaseModel):
-    """The architecture of a scratch base; the vocabulary comes from the tokenizer."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    architecture: Literal["LlamaForCausalLM", "Qwen3ForCausalLM"] = "LlamaForCausalLM"
-    hidden_size: int = Field(192, ge=8)
-    intermediate_size: int = Field(512, ge=8)
-    num_hidden_layers: int = Field(4, ge=1)
-    num_attention_heads: int = Field(6, ge=1)
-    num_key_value_heads: int = Field(2, ge=1)
-    head_dim: int | None = None
-    tie_word_embeddings: bool = False
-    rope_theta: float = 10000.0
-    max_position_embeddings: int = 2048
-
-    @model_validator(mode="after")
-    def _grouped_query(self) -> ModelShape:
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(f"num_attention_heads {self.num_attention_heads} is not a multiple of "
-                             f"num_key_value_heads {self.num_key_value_heads}")
-        return self
-
-
-class BaseConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    url: str | None = None  # an HF checkpoint folder; None -> pretrain `model` on `data`
-    data: DataPrepConfig = DataPrepConfig(corpus="builtin://python-stdlib")
-    model: ModelShape = ModelShape()
-    train: TrainConfig = TrainConfig(steps=400, batch_size=16, learning_rate=3e-3, warmup_steps=20,
-                                     checkpoint_every=50)
 
 
 def llama_config(shape: ModelShape, data_dir: Path) -> models.LlamaConfig:
@@ -84,7 +51,7 @@ def shape_config(shape: ModelShape, vocab_size: int, special: dict[str, int] | N
     )
 
 
-def pretrain(cfg: BaseConfig, data_dir: Path, out_dir: Path, *, checkpoints: Checkpoints | None = None,
+def pretrain(cfg: BaseModelConfig, data_dir: Path, out_dir: Path, *, checkpoints: Checkpoints | None = None,
              progress: Progress | None = None) -> dict[str, Any]:
     config = llama_config(cfg.model, data_dir)
     model = models.Llama(config, rngs=nnx.Rngs(cfg.train.seed))
@@ -114,7 +81,7 @@ def import_checkpoint(url: str, out_dir: Path) -> dict[str, Any]:
 def _check_import(url: str, local: Path) -> dict[str, Any]:
     from tokenizers import Tokenizer
 
-    from tasks.data_prep import find_special_tokens
+    from tasks.data.tokens import find_special_tokens
 
     if not (local / "config.json").exists():
         raise ValueError(f"{url} has no config.json (not an HF checkpoint folder)")
@@ -144,7 +111,7 @@ def _check_import(url: str, local: Path) -> dict[str, Any]:
     return {"source": url, "params": int(n_params)}
 
 
-def compute(cfg: BaseConfig, progress: Progress | None = None):
+def compute(cfg: BaseModelConfig, progress: Progress | None = None):
     def _compute(ctx: StageContext) -> dict[str, Any]:
         if cfg.url is not None:
             return import_checkpoint(cfg.url, ctx.out_dir)
@@ -159,7 +126,7 @@ def compute(cfg: BaseConfig, progress: Progress | None = None):
 
 
 def main(argv: list[str] | None = None) -> None:
-    def run(cfg: BaseConfig, a) -> dict[str, Any]:
+    def run(cfg: BaseModelConfig, a) -> dict[str, Any]:
         url = a.url or cfg.url
         if url:
             return import_checkpoint(url, a.out)
@@ -167,7 +134,7 @@ def main(argv: list[str] | None = None) -> None:
             raise ValueError("--data: required to pretrain (or pass --url to import a checkpoint)")
         return pretrain(cfg, a.data, a.out)
 
-    stage_main(__doc__, BaseConfig, {"--data": OPTIONAL_PATH, "--url": {"help": "import this HF checkpoint"}},
+    stage_main(__doc__, BaseModelConfig, {"--data": OPTIONAL_PATH, "--url": {"help": "import this HF checkpoint"}},
                run, argv)
 
 if __name__ == "__main__":

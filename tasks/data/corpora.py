@@ -47,6 +47,7 @@ log = logging.getLogger(__name__)
 # messages, blank-line separated}\n<|assistant|>\n" (context) + "{assistant}" (trained) + eos.
 USER = "<|user|>"
 ASSISTANT = "<|assistant|>"
+SPECIAL_TOKENS = ["<|pad|>", "<|bos|>", "<|eos|>", USER, ASSISTANT]  # what a tokenizer trained by data_prep reserves
 
 FORMATS = ("jsonl", "parquet", "text")
 

@@ -1,0 +1,250 @@
+"""Every stage's config schema, in one place and in the order of the release DAG.
+
+A recipe (tasks/recipe.py) composes these into `ReleaseConfig`; a stage receives its own, typed and
+validated once. Each schema is frozen and forbids unknown keys, so a typo is an error naming the key
+(MaxText keeps its config types apart from the code that uses them in the same way: configs/types.py).
+Defaults live here and only here; recipes state differences from them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from models import quant
+from models.lora import ALL_LINEAR
+from tasks.data.corpora import SPECIAL_TOKENS
+from tasks.training.config import TrainConfig
+
+
+class DataPrepConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    corpus: str = "builtin://python-stdlib"  # URL / path / glob read through `storage`, or builtin://NAME
+    format: Literal["auto", "jsonl", "parquet", "text"] = "auto"  # auto: by file extension
+    text_field: str = "text"
+    messages_field: str = "messages"
+    seq_len: int = Field(256, ge=8, le=1 << 20)
+    vocab_size: int = Field(4096, ge=len(SPECIAL_TOKENS) + 256 + 1)  # only when training a tokenizer
+    valid_fraction: float = Field(0.05, ge=0.0, lt=1.0)
+    max_documents: int | None = Field(None, ge=1)
+    max_prompts: int = Field(64, ge=0)
+    shard_rows: int = Field(2048, ge=1)
+    seed: int = 0  # which valid documents become prompts (reservoir sample); the split is unseeded
+
+
+class ModelShape(BaseModel):
+    """The architecture of a scratch base; the vocabulary comes from the tokenizer."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    architecture: Literal["LlamaForCausalLM", "Qwen3ForCausalLM"] = "LlamaForCausalLM"
+    hidden_size: int = Field(192, ge=8)
+    intermediate_size: int = Field(512, ge=8)
+    num_hidden_layers: int = Field(4, ge=1)
+    num_attention_heads: int = Field(6, ge=1)
+    num_key_value_heads: int = Field(2, ge=1)
+    head_dim: int | None = None
+    tie_word_embeddings: bool = False
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 2048
+
+    @model_validator(mode="after")
+    def _grouped_query(self) -> ModelShape:
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(f"num_attention_heads {self.num_attention_heads} is not a multiple of "
+                             f"num_key_value_heads {self.num_key_value_heads}")
+        return self
+class BaseModelConfig(BaseModel):
+    """Stage `base_model`: import `url`, or pretrain `model` on `data` (the demo default)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    url: str | None = None  # an HF checkpoint folder; None -> pretrain `model` on `data`
+    data: DataPrepConfig = DataPrepConfig(corpus="builtin://python-stdlib")
+    model: ModelShape = ModelShape()
+    train: TrainConfig = TrainConfig(steps=400, batch_size=16, learning_rate=3e-3, warmup_steps=20,
+                                     checkpoint_every=50)
+
+
+class FinetuneConfig(BaseModel):
+    """`mode: lora` trains only adapters on the modules whose HF path fullmatches one of `lora_targets`
+    (regexes; a bare name like `q_proj` matches that module in every layer; the default is every
+    projection: attention incl. MLA, dense MLP, shared and routed experts, never routers or the head)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    mode: Literal["lora", "full"] = "lora"
+    lora_rank: int = Field(16, ge=1)
+    lora_alpha: float = Field(32.0, gt=0)
+    lora_dropout: float = Field(0.0, ge=0, lt=1)
+    lora_targets: tuple[str, ...] = ALL_LINEAR
+    train: TrainConfig = TrainConfig(steps=150, learning_rate=2e-3, warmup_steps=10, checkpoint_every=50)
+
+
+class CalibrationConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    samples: int = Field(64, ge=1)  # packed rows of the train split (capped at the rows there are)
+    batch_size: int = Field(8, ge=1)
+    min_tokens: int = Field(2048, ge=1)  # fewer real (non-padding) calibration tokens is an error
+    seed: int = 0
+class QuantizeConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    schemes: tuple[str, ...] = ("int8", "w4a16-gptq")
+    ignore: tuple[str, ...] = ()  # more modules left in float: HF names or "re:" regexes (lm_head always is)
+    calibration: CalibrationConfig = CalibrationConfig()
+    dampening_frac: float = Field(0.01, gt=0)  # GPTQ: added to H's diagonal, x mean(diag H)
+    expert_min_tokens: int = Field(16, ge=0)  # an expert with fewer routed tokens uses its layer's pooled stats
+    awq_grid: int = Field(20, ge=2)
+
+    @field_validator("schemes")
+    @classmethod
+    def _known(cls, v: tuple[str, ...]) -> tuple[str, ...]:
+        for name in v:
+            quant.parse_scheme(name)
+        if len(set(v)) != len(v):
+            raise ValueError(f"schemes {list(v)} repeat a scheme")
+        return v
+
+
+class TracesConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    num_prompts: int = Field(256, ge=1)  # training prompts to regenerate
+    skip_prompts: int = Field(0, ge=0)  # start after this many (a refresh takes prompts the last draft never saw)
+    num_valid_prompts: int = Field(32, ge=1)  # held-out prompts (the draft's validation split)
+    max_prompt_len: int = Field(160, ge=2)
+    max_new_tokens: int = Field(64, ge=1)
+    temperature: float = Field(0.8, ge=0)  # SpecForge regenerates at 0.8; 0 = greedy
+    top_p: float = Field(1.0, gt=0, le=1)
+    batch_size: int = Field(32, ge=1)  # generation and teacher-forcing batch (rows)
+    seq_len: int = Field(256, ge=8)
+    seed: int = 0
+    shard_prompts: int = Field(64, ge=1)  # prompts per shard: the unit of work, persistence and resumption
+    hidden_states: Literal["offline", "online"] = "offline"  # online: the draft trainer runs the target itself
+    aux_layer_ids: list[int] | None = Field(None, min_length=1)  # None: models.eagle3.default_aux_layer_ids
+    hidden_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    target: str = "finetuned"  # the model that answers: "finetuned" or a quantized scheme of a quantize artifact
+
+    @field_validator("aux_layer_ids")
+    @classmethod
+    def _non_negative(cls, ids: list[int] | None) -> list[int] | None:
+        if ids is not None and any(i < 0 for i in ids):
+            raise ValueError(f"aux_layer_ids {ids}: ids are 0-based decoder layer outputs, all >= 0")
+        return ids
+
+    @model_validator(mode="after")
+    def _prompt_leaves_room(self) -> TracesConfig:
+        if self.max_prompt_len >= self.seq_len:
+            raise ValueError(f"max_prompt_len {self.max_prompt_len} must be < seq_len {self.seq_len} "
+                             "(a prompt must leave room for its answer in a row)")
+        return self
+
+
+class DraftConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    k: int = Field(5, ge=1)  # draft tokens per verify forward the export recommends to engines
+    ttt_steps: int = Field(7, ge=1)  # training-time-test unroll length (EAGLE-3: 7)
+    ttt_decay: float = Field(0.8, gt=0, le=1)  # step k's loss weight = decay^k
+    draft_vocab_size: int = Field(32000, ge=1)  # capped at the target's vocabulary
+    intermediate_size: int | None = Field(None, ge=1)  # None: Eagle3Config.for_target's default
+    num_attention_heads: int | None = Field(None, ge=1)
+    num_key_value_heads: int | None = Field(None, ge=1)
+    export_dtype: Literal["bfloat16", "float32"] = "bfloat16"
+    target: str = "finetuned"  # the model the draft serves with: "finetuned" or a quantized scheme (`serve`)
+    seed: int = 0
+    train: TrainConfig = TrainConfig(steps=300, batch_size=16, learning_rate=3e-3, warmup_steps=20,
+                                     checkpoint_every=100)
+
+
+class Gates(BaseModel):
+    """What a release must pass before it is exported. A recipe declares them; `forgeline release --set`
+    may make one stricter, while loosening or disabling one takes `--allow-weaker-gates` and is recorded
+    as a waiver (`waivers`). At least one gate must be enabled."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    finetune_improves: bool = True  # fine-tuned held-out perplexity below the base's
+    # scheme ppl <= (1 + limit) x fine-tuned ppl; one number for every scheme, or limits keyed by scheme name
+    # or by its family (the name's first part: int8, w8a16, w4a16, fp8); the defaults are the issue's aims
+    max_quant_ppl_increase: float | dict[str, float] = Field(
+        default_factory=lambda: {"int8": 0.005, "w8a16": 0.005, "fp8": 0.003, "w4a16": 0.02})
+    speculative_lossless: bool = True
+    min_acceptance_length: float = Field(1.2, ge=0)  # 0 disables the gate
+
+    def quant_limit(self, scheme: str) -> float:
+        limits = self.max_quant_ppl_increase
+        if not isinstance(limits, dict):
+            return float(limits)
+        for key in (scheme, scheme.split("-", 1)[0]):
+            if key in limits:
+                return float(limits[key])
+        raise ValueError(f"evaluate.gates.max_quant_ppl_increase has no limit for scheme {scheme!r} "
+                         f"(keys: {sorted(limits)})")
+
+    def enabled(self, schemes: list[str] | tuple[str, ...]) -> list[str]:
+        """The gates that will judge a release shipping `schemes` (empty: nothing would be checked)."""
+        on = [name for name in ("finetune_improves", "speculative_lossless") if getattr(self, name)]
+        on += ["min_acceptance_length"] if self.min_acceptance_length > 0 else []
+        return on + [f"max_quant_ppl_increase[{s}]" for s in schemes]
+
+    def waivers(self, declared: Gates, schemes: list[str] | tuple[str, ...]) -> list[dict[str, Any]]:
+        """Every way these gates are weaker than `declared`: a check switched off, a lower acceptance floor,
+        a larger perplexity allowance for a shipped scheme. [] when these are as strict or stricter."""
+        out = []
+        for name in ("finetune_improves", "speculative_lossless"):
+            if getattr(declared, name) and not getattr(self, name):
+                out.append({"gate": f"evaluate.gates.{name}", "declared": True, "effective": False})
+        if self.min_acceptance_length < declared.min_acceptance_length:
+            out.append({"gate": "evaluate.gates.min_acceptance_length", "declared": declared.min_acceptance_length,
+                        "effective": self.min_acceptance_length})
+        for scheme in schemes:
+            try:
+                was = declared.quant_limit(scheme)
+            except ValueError:
+                continue  # a scheme the command line added: its limit is new, not loosened
+            if self.quant_limit(scheme) > was:
+                out.append({"gate": f"evaluate.gates.max_quant_ppl_increase[{scheme}]", "declared": was,
+                            "effective": self.quant_limit(scheme)})
+        return out
+class EvalConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    batch_size: int = Field(16, ge=1)
+    eval_batches: int = Field(16, ge=1)
+    spec_prompts: int = Field(16, ge=1)
+    spec_prompt_len: int = Field(48, ge=2)
+    spec_max_new_tokens: int = Field(64, ge=1)
+    spec_k: int = Field(5, ge=1)  # draft tokens per verify forward (chain)
+    spec_batch_size: int = Field(1, ge=1)  # rows decoded together, by both the plain and the speculative decoder
+    spec_temperatures: list[float] = Field([0.0, 1.0], min_length=1)
+    spec_tree: bool = True  # also measure EAGLE-2 dynamic-tree drafting (temperature 0, batch 1)
+    tree_top_k: int = Field(4, ge=1)
+    tree_depth: int = Field(5, ge=1)
+    tree_tokens: int = Field(16, ge=1)
+    spec_target: str = "finetuned"  # the model the draft serves with: "finetuned" or a quantized scheme
+    seed: int = 0
+    gates: Gates = Gates()
+    # The recipe's own gates when the command line loosened them (`--allow-weaker-gates`): the report lists
+    # the waivers and says whether the release also passed the gates as declared.
+    declared_gates: Gates | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> EvalConfig:
+        if any(t < 0 for t in self.spec_temperatures):
+            raise ValueError("spec_temperatures must be >= 0")
+        if self.spec_tree and self.spec_batch_size != 1:
+            raise ValueError("spec_tree needs spec_batch_size 1 (tree drafting decodes one sequence)")
+        return self
+
+
+class ExportConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str
+    recipe: dict[str, Any]
+    enforce_gates: bool = True

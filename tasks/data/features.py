@@ -1,0 +1,62 @@
+"""The served model's EAGLE-3 features of packed rows, computed the same way offline (traces writes them
+to hidden-state files, tasks/data/rows.py) and online (draft training computes them per batch).
+See docs/speculative-decoding.md (which target layers feed the draft, and why the final hidden state)."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+
+def target_features(model: nnx.Module, batch: Mapping[str, jax.Array],
+                    aux_layer_ids: Sequence[int]) -> tuple[jax.Array, jax.Array]:
+    """The EAGLE-3 features of packed rows, one teacher-forcing forward (pure, jittable; the ids are static).
+
+    batch: `input_ids`, `positions`, `segment_ids` [B, T] (data_prep's packed columns; segments attend
+    only within themselves, 0 = padding). Returns aux [B, T, n·D_t] (the outputs of decoder layers
+    `aux_layer_ids`, concatenated in that order) and final [B, T, D_t] (the final normed hidden: the
+    target's logits are `model.lm_logits(final)`), both zero at padding, in the model's dtype.
+    """
+    _, hidden = model(batch["input_ids"], positions=batch["positions"], segment_ids=batch["segment_ids"],
+                      return_hidden=tuple(aux_layer_ids) + (-1,))
+    real = (batch["segment_ids"] != 0)[..., None]  # [B, T, 1]
+    aux = jnp.where(real, jnp.concatenate(hidden[:-1], axis=-1), 0)  # [B, T, n·D_t]
+    final = jnp.where(real, hidden[-1], 0)  # [B, T, D_t]
+    return aux, final
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "aux_layer_ids", "dtype"))
+def _features_jit(graphdef, state, batch, *, aux_layer_ids: tuple[int, ...], dtype: str):
+    aux, final = target_features(nnx.merge(graphdef, state), batch, aux_layer_ids)
+    return aux.astype(jnp.dtype(dtype)), final.astype(jnp.dtype(dtype))  # the LM head is dead code here
+
+
+def hidden_for_rows(model: nnx.Module, rows: Mapping[str, np.ndarray], aux_layer_ids: Sequence[int],
+                    dtype: str | np.dtype = "float32", *, batch_size: int = 8) -> dict[str, np.ndarray]:
+    """`target_features` over packed rows [R, T] in fixed batches of `batch_size` (one compiled shape):
+    {"aux": [R, T, n·D_t], "final": [R, T, D_t]} as numpy arrays of `dtype` (bfloat16 via ml_dtypes)."""
+    name = jnp.dtype(dtype).name
+    R, T = np.shape(rows["input_ids"])
+    B = max(1, min(batch_size, R))
+    graphdef, state = nnx.split(model)
+    D, n = model.config.hidden_size, len(aux_layer_ids)
+    out = {"aux": np.zeros((R, T, n * D), jnp.dtype(name)), "final": np.zeros((R, T, D), jnp.dtype(name))}
+    for lo in range(0, R, B):
+        hi = min(lo + B, R)
+        batch = {}
+        for c in ("input_ids", "positions", "segment_ids"):
+            x = np.zeros((B, T), np.int32)  # rows past R: all padding
+            x[: hi - lo] = np.asarray(rows[c][lo:hi], np.int32)
+            batch[c] = x
+        aux, final = _features_jit(graphdef, state, batch, aux_layer_ids=tuple(aux_layer_ids), dtype=name)
+        out["aux"][lo:hi] = np.asarray(aux)[: hi - lo]
+        out["final"][lo:hi] = np.asarray(final)[: hi - lo]
+    return out
+
+
+# -- shard persistence -----------------------------------------------------------------------------

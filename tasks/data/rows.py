@@ -1,0 +1,118 @@
+"""The files stages exchange, apart from the stages that write and read them.
+
+- **Packed rows** (`<split>-NNNNN.parquet`, written by data_prep and traces, read by every training stage
+  and by evaluate): one row per training sequence of `seq_len` tokens, several documents packed per row.
+  Columns, each a list of `seq_len` integers: `input_ids`, `target_ids` (the next token), `positions`
+  (restarting at 0 in every packed segment), `segment_ids` (1, 2, ... per packed segment; 0 = padding:
+  attention stays within a segment), `loss_mask` (1 where `target_ids` is a loss target).
+- **Prompts** (`prompts.parquet`, data_prep): held-out prompts with their reference continuations.
+- **Hidden states** (`hidden/<split>-NNNNN.safetensors`, traces, read by draft training): per packed row,
+  the served model's `aux` features (the EAGLE-3 layers concatenated, [R, T, n·D]) and `final` hidden
+  state ([R, T, D]), in bfloat16, with the layer ids in the file's metadata.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+from safetensors.numpy import save_file
+
+from models.hf import NUMPY_DTYPES, read_safetensors_header
+
+ROW_SCHEMA = pa.schema([  # packed rows
+    ("input_ids", pa.list_(pa.int32())),
+    ("target_ids", pa.list_(pa.int32())),
+    ("positions", pa.list_(pa.int32())),
+    ("segment_ids", pa.list_(pa.int32())),
+    ("loss_mask", pa.list_(pa.int8())),
+])
+PROMPT_SCHEMA = pa.schema([
+    ("prompt_ids", pa.list_(pa.int32())),
+    ("reference_ids", pa.list_(pa.int32())),
+    ("prompt_text", pa.string()),
+])
+COLUMNS = tuple(ROW_SCHEMA.names)
+SPLITS = ("train", "valid")
+HIDDEN_FORMAT = "forgeline-traces-hidden/1"
+
+
+def rows_table(arrays: Mapping[str, np.ndarray]) -> pa.Table:
+    """[R, T] arrays per column as a packed-rows table (each cell a list of T values)."""
+    R, T = np.shape(arrays["input_ids"])
+    offsets = pa.array(np.arange(0, (R + 1) * T, T, dtype=np.int32))
+    return pa.table([pa.ListArray.from_arrays(offsets, pa.array(np.asarray(arrays[c]).reshape(-1))) for c in COLUMNS],
+                    schema=ROW_SCHEMA)
+
+
+def write_rows(rows: Mapping[str, Any], path: Path) -> int:
+    """Rows (lists or [R, T] arrays per column) as a data_prep-format Parquet file; returns R."""
+    arrays = {c: np.asarray(rows[c], np.int8 if c == "loss_mask" else np.int32) for c in COLUMNS}  # [R, T]
+    pq.write_table(rows_table(arrays), path, compression="zstd")
+    return len(arrays["input_ids"])
+
+
+def read_rows(path: Path) -> dict[str, np.ndarray]:
+    """A packed Parquet shard as int32 arrays [R, T] per column."""
+    table = pq.read_table(path, columns=list(COLUMNS))
+    return {c: np.stack(table.column(c).to_numpy(zero_copy_only=False)).astype(np.int32) for c in COLUMNS}
+
+
+def pack(sequences: Iterator[tuple[list[int], list[int]]], seq_len: int, eos: int, pad: int) -> dict[str, list]:
+    """Greedy packing of (prompt, answer) pairs into rows of `seq_len`; loss on answer + eos only."""
+    rows: dict[str, list] = {c: [] for c in COLUMNS}
+    cur: dict[str, list[int]] = {c: [] for c in COLUMNS}
+
+    def flush() -> None:
+        if not cur["input_ids"]:
+            return
+        n = seq_len - len(cur["input_ids"])
+        for c in COLUMNS:
+            rows[c].append(cur[c] + [pad if c in ("input_ids", "target_ids") else 0] * n)
+            cur[c] = []
+
+    for prompt, answer in sequences:
+        seq = (prompt + answer + [eos])[: seq_len + 1]
+        inp, tgt = seq[:-1], seq[1:]
+        loss = [1 if t >= len(prompt) - 1 else 0 for t in range(len(inp))]
+        if len(cur["input_ids"]) + len(inp) > seq_len:
+            flush()
+        seg = (max(cur["segment_ids"]) + 1) if cur["segment_ids"] else 1
+        cur["input_ids"] += inp
+        cur["target_ids"] += tgt
+        cur["positions"] += list(range(len(inp)))
+        cur["segment_ids"] += [seg] * len(inp)
+        cur["loss_mask"] += loss
+    flush()
+    return rows
+
+
+def _canonical(obj: Any) -> str:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str)
+
+
+def write_hidden(path: Path, hidden: Mapping[str, np.ndarray], aux_layer_ids: Sequence[int]) -> None:
+    """A hidden-state shard as safetensors (bfloat16 stored natively as BF16 through ml_dtypes)."""
+    # one metadata entry: safetensors writes several in hash order, and shards must be byte-reproducible
+    meta = {"forgeline": _canonical({"format": HIDDEN_FORMAT, "aux_layer_ids": list(aux_layer_ids),
+                                     "dtype": hidden["aux"].dtype.name})}
+    save_file({k: np.ascontiguousarray(v) for k, v in hidden.items()}, str(path), metadata=meta)
+
+
+def load_hidden(path: str | Path) -> dict[str, np.ndarray]:
+    """A hidden-state shard ({"aux": [R, T, n·D_t], "final": [R, T, D_t]}) as float32 arrays,
+    whatever dtype it was stored in (BF16 / F16 / F32)."""
+    header = read_safetensors_header(str(path))
+    start = header.pop("__data_start__")
+    raw = np.memmap(path, np.uint8, mode="r")
+    out = {}
+    for name, info in header.items():
+        begin, end = info["data_offsets"]
+        data = raw[start + begin : start + end].view(NUMPY_DTYPES[info["dtype"]])
+        out[name] = data.reshape(info["shape"]).astype(np.float32)
+    return out

@@ -1,0 +1,99 @@
+"""Model FLOPs per token and the measured matmul peak, the two halves of MFU.
+
+Model FLOPs follow PaLM (Chowdhery et al. 2022, appendix B): 6N per token for the matmul weights N a token
+touches (forward 2N + backward 4N) plus 12·L·H·Q·T for attention scores and values; MoE counts only the
+active experts (each family's `layer_flops` in models/). The exact conventions are in `train_flops_per_token`.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from models.flops import LayerFlops
+
+# -- peak FLOP/s -----------------------------------------------------------------------------------
+
+_PEAK: dict[tuple[str, str, int], float] = {}
+
+
+def measure_matmul_flops(dtype: Any = jnp.float32, n: int = 2048, repeats: int = 10) -> float:
+    """One fresh reading: FLOP/s of a jitted [n, n] @ [n, n] matmul on the default backend, 2n³ over the
+    best of `repeats` timed calls (compilation and a warm-up call excluded)."""
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32).astype(dtype)  # [n, n]
+    f = jax.jit(lambda x: x @ x)
+    f(a).block_until_ready()  # compile + warm-up
+    best = math.inf
+    for _ in range(repeats):
+        t = time.perf_counter()
+        f(a).block_until_ready()
+        best = min(best, time.perf_counter() - t)
+    return 2 * n**3 / best
+
+
+def matmul_peak_flops(dtype: Any = jnp.float32, n: int = 2048, repeats: int = 10) -> float:
+    """`measure_matmul_flops`, cached per (backend, dtype, n): measured once per process, so only
+    compare MFU numbers taken in the same run; on a machine shared with other work the reading can be
+    low (MFU then reads high)."""
+    key = (jax.default_backend(), jnp.dtype(dtype).name, n)
+    if key not in _PEAK:
+        _PEAK[key] = measure_matmul_flops(dtype, n, repeats)
+    return _PEAK[key]
+
+
+# -- model FLOPs per token -------------------------------------------------------------------------
+
+
+def layer_flops(config: Any) -> list[LayerFlops]:
+    """Per-layer accounting of the main stack (MTP layers are not in it), as the family's config reports it."""
+    if not callable(getattr(config, "layer_flops", None)):
+        raise TypeError(f"train_flops_per_token: unsupported config {type(config).__name__} (a family's config "
+                        f"reports its FLOPs with layer_flops(), models/flops.py)")
+    return config.layer_flops()
+
+
+def matmul_params_per_token(config: Any) -> int:
+    """N of PaLM's 6N: matmul weights one token touches — every layer's projections, the router and the
+    active experts only (top-k of E, plus shared), and the LM head (counted even when tied to the
+    embedding, whose lookup is not a matmul and is excluded). Biases, norms and sinks are not matmuls."""
+    return sum(layer.matmul_params for layer in layer_flops(config)) + config.hidden_size * config.vocab_size
+
+
+def attended_keys(seq_len: int, window: int | None, causal: bool) -> float:
+    """Keys per query: PaLM counts the whole sequence (min(T, W) with a sliding window of W keys); with
+    `causal` the exact mean over positions of min(t + 1, W), about T/2 (MaxText's halving, PR #1988)."""
+    W = seq_len if window is None else min(window, seq_len)
+    if not causal:
+        return float(W)
+    return (W * (W + 1) / 2 + (seq_len - W) * W) / seq_len
+
+
+def train_flops_per_token(config: Any, seq_len: int, trainable_only: bool = False, *, adapter_params: int = 0,
+                          causal: bool = False) -> float:
+    """Model FLOPs of one training step per token at sequence length `seq_len` (PaLM appendix B).
+
+        6·N + Σ_layers 6·keys·(H·Q_qk + H·Q_v)      (= 6N + 12·L·H·Q·T for plain full attention)
+
+    N is `matmul_params_per_token(config)`. The attention term is 2 FLOPs per multiply-add for q·k and
+    p·v over `keys = attended_keys(T, window, causal)`, × 3 for forward + backward; MLA uses its own
+    query/key (nope + rope) and value head dims. Rematerialisation is not counted (MFU, not HFU).
+
+    `trainable_only=True` is the LoRA convention (frozen base): the base weights still cost the forward
+    (2N) and the activation gradients that flow through them (2N) but no weight gradients, so 4N; the
+    attention term is all activation gradients and stays; `adapter_params` (trainable matmul weights
+    outside N, e.g. LoRA A and B factors touched by every token) are counted at 6 each.
+    """
+    if seq_len < 1:
+        raise ValueError(f"seq_len must be >= 1 (got {seq_len})")
+    per_param = 4 if trainable_only else 6
+    flops = per_param * matmul_params_per_token(config) + 6 * adapter_params
+    for layer in layer_flops(config):
+        flops += 6 * attended_keys(seq_len, layer.window, causal) * (layer.qk_width + layer.v_width)
+    return float(flops)
+
+
+# -- per-step metrics ------------------------------------------------------------------------------
