@@ -6,7 +6,7 @@ reference, `jax.lax.ragged_dot`, and transformers' Qwen3-MoE block (torch, eager
 One MoE block (softmax top-k router + E SwiGLU experts of width I) on T tokens of width D, f32.
 The claim under test (issue 3): grouped time follows T·k, not E — so the `grouped` column stays
 flat across E at fixed k and grows with k, while `dense` grows with E. Every time is the best of a
-few calls after warm-up; ratios are what to read (DESIGN.md: absolute CPU numbers drift).
+few calls after warm-up; ratios are what to read (absolute CPU numbers drift).
 """
 
 from __future__ import annotations

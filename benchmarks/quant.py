@@ -19,7 +19,7 @@ bf16, and the quantization time (calibration forwards + quantization, compile in
 
 Peer ratio: each GPTQ / AWQ row is divided by the round-to-nearest row with the same bits, group and
 symmetry measured in the same run (`vs RTN` = its perplexity increase / RTN's); when that RTN scheme is not
-in `--schemes` it is added. Aims (speculative-and-quantization-formats.md Part B; forgeline issue 6, the
+in `--schemes` it is added. Aims (docs/quantization.md; forgeline issue 6, the
 evaluate gates' defaults `tasks.evaluate.Gates`): int8 / w8a16 increase <= 0.5 %, fp8-block <= 0.3 %,
 int4 GPTQ/AWQ <= 2 % and below RTN's increase, every int4 scheme's bytes <= 0.30x bf16.
 """

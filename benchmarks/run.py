@@ -5,11 +5,11 @@
 Prints one table:
 - matmul peak: f32 2048^2 matmul GFLOP/s in JAX and in torch (the denominator for "fraction of peak");
 - train step: tokens/s of our jitted full fine-tuning step (AdamW, clipping) vs a transformers
-  LlamaForCausalLM + torch.optim.AdamW step on the identical config and batch (DESIGN.md: Llama
+  LlamaForCausalLM + torch.optim.AdamW step on the identical config and batch (the peer config: Llama
   d=512, 8 layers, B=8, T=512), and our model FLOPs/s as a fraction of the JAX matmul peak;
 - decode: batch-1 greedy tokens/s of our jitted KV-cache loop vs transformers `generate` on the same
   weights (our checkpoint saved with save_pretrained and loaded by transformers).
-Only same-run ratios mean anything on these machines (DESIGN.md: one matmul read 90-223 GFLOP/s at
+Only same-run ratios mean anything on these machines (one matmul read 90-223 GFLOP/s at
 different moments), so every row is measured here, interleaved, after warm-up.
 """
 
@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> None:
                                        num_attention_heads=4, num_key_value_heads=4, head_dim=64)
         batch, seq, steps = 4, 256, 3
     else:
-        cfg = models.LlamaConfig.small()  # d=512, 8 layers, 8 heads of 64, F=1376: the DESIGN.md peer config
+        cfg = models.LlamaConfig.small()  # d=512, 8 layers, 8 heads of 64, F=1376: the peer config
         batch, seq, steps = 8, 512, 3
     n_params = sum(x.size for x in jax.tree.leaves(nnx.state(models.Llama(cfg, rngs=nnx.Rngs(0)), nnx.Param)))
     print(f"config: Llama d={cfg.hidden_size} L={cfg.num_hidden_layers} V={cfg.vocab_size} "

@@ -2,7 +2,7 @@
 
     python -m benchmarks.train [--quick]
 
-Prints two tables, every number measured in this run on this machine (DESIGN.md: only same-run ratios
+Prints two tables, every number measured in this run on this machine (only same-run ratios
 mean anything here):
 1. full fine-tuning of a dense Llama (d=512, 4 layers, 8 heads of 64, V=8192, fp32, B=8, T=256):
    tokens/s of tasks.train.Trainer's step vs a transformers LlamaForCausalLM + torch AdamW step on the

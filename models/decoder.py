@@ -2,9 +2,9 @@
 grouped-query attention block (Llama, Qwen3, Qwen3-MoE, GLM-4.5, GPT-OSS), the SwiGLU MLP, the
 pre-norm decoder layer and the causal-LM forward.
 
-Mirrors /work/shared/reference/architectures.md §2 (pre-norm skeleton, GQA, masks, tied heads),
-§2.3 (sliding window = W keys including the current token), §4.1 (QK-norm before RoPE), §8.3
-(sinks) and §9.2 (q/k/v bias without an o bias, partial rotary).
+Mirrors docs/models/decoder.md (pre-norm skeleton, GQA, masks, sliding window = W keys including the
+current token, tied heads, QK-norm before RoPE), docs/models/gpt-oss.md (sinks) and
+docs/models/glm4-moe.md (q/k/v bias without an o bias, partial rotary).
 
 A family file (models/llama.py, models/qwen3_moe.py, models/gpt_oss.py, ...) builds its layers
 from these pieces and subclasses `DecoderLM`, providing `rope(positions)` (the rotary tables its
@@ -228,7 +228,7 @@ class SharedHead(nnx.Module):
 
 
 class MTPLayer(DecoderLayer):
-    """A DeepSeek-V3 / GLM-4.5 multi-token-prediction layer (architectures.md §6.8, §9.4), stored
+    """A DeepSeek-V3 / GLM-4.5 multi-token-prediction layer (docs/models/deepseek-v3.md, MTP), stored
     after the main stack at `model.layers.{L + m}`: a full decoder block plus `enorm`, `hnorm`,
     `eh_proj` [2D -> D] and `shared_head.norm`.
 

@@ -1,10 +1,10 @@
 """DeepSeek-V3 / R1 (and V3-0324, V3.1) and Kimi K2 in Flax NNX, numerically matching transformers 5.24
 `DeepseekV3ForCausalLM`.
 
-Mirrors /work/shared/reference/architectures.md §6 (config, MLA, interleaved RoPE, softmax scale with the
-YaRN mscale², absorbed decode form, sigmoid group-limited router, shared experts, dense first layers, MTP
-layout, FP8 block weights, on-disk tensors), §7 (Kimi K2: the same graph with other hyper-parameters,
-`model_type: kimi_k2`), §3.3 (YaRN), §10 and §11; the parity authority is transformers
+Mirrors docs/models/deepseek-v3.md (config, MLA, interleaved RoPE, softmax scale with the YaRN mscale²,
+absorbed decode form, sigmoid group-limited router, shared experts, dense first layers, MTP layout, FP8 block
+weights, on-disk tensors, Kimi K2: the same graph with other hyper-parameters, `model_type: kimi_k2`,
+pitfalls), docs/models/decoder.md (YaRN, parity conventions); the parity authority is transformers
 `models/deepseek_v3/modeling_deepseek_v3.py` and `configuration_deepseek_v3.py`.
 
 Module attribute names mirror the HF tensor names (models/hf.py maps them structurally):
@@ -21,7 +21,7 @@ MLA (multi-head latent attention), per token:
     scores   = [q_n, rope(q_r)] · [k_n, rope(k_r)] · qk_head_dim^-0.5 · mscale²
 Without a cache (training, prefill, verify-free scoring) the keys and values are expanded per head. With a
 KV cache the cache holds only c (cache.k, [L, B, 1, S, C]) and rope(k_r) (cache.v, [L, B, 1, S, R]) and the
-attention runs in latent space (§6.5): W_UK is folded into the query, softmax over [c, k_r], W_UV applied
+attention runs in latent space (the absorbed form): W_UK is folded into the query, softmax over [c, k_r], W_UV applied
 after — the same logits up to matmul reassociation.
 
     from models.deepseek_v3 import DeepseekV3, DeepseekV3Config
@@ -60,10 +60,10 @@ from models.layers import (
 from models.moe import MoE, sigmoid_moe
 
 ARCHITECTURE = "DeepseekV3ForCausalLM"
-MODEL_TYPES = ("deepseek_v3", "kimi_k2")  # kimi_k2: the same graph (§7); transformers only knows deepseek_v3
+MODEL_TYPES = ("deepseek_v3", "kimi_k2")  # kimi_k2: the same graph; transformers only knows deepseek_v3
 SUPPORTED_ROPE_TYPES = ("default", "linear", "yarn")
-LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use the RMSNorm default, not rms_norm_eps (§6.2)
-REQUIRED_ROUTING = {"topk_method": "noaux_tc", "scoring_func": "sigmoid"}  # defaults when absent (§2.7)
+LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use the RMSNorm default, not rms_norm_eps
+REQUIRED_ROUTING = {"topk_method": "noaux_tc", "scoring_func": "sigmoid"}  # defaults when absent (transformers 5)
 
 
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
@@ -104,7 +104,7 @@ class DeepseekV3Config:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_scaling: Mapping[str, Any] | None = None  # None (plain RoPE) or {"rope_type": "yarn", "factor": ...}
-    rope_interleave: bool = True  # rotary coordinates stored as adjacent pairs (§6.3)
+    rope_interleave: bool = True  # rotary coordinates stored as adjacent pairs
     max_position_embeddings: int = 4096
     attention_bias: bool = False  # q_a_proj / kv_a_proj_with_mqa / o_proj biases
     tie_word_embeddings: bool = False
@@ -159,7 +159,7 @@ class DeepseekV3Config:
     @property
     def softmax_scale(self) -> float:
         """qk_head_dim^-0.5, × mscale(factor, mscale_all_dim)² when the RoPE is scaled and mscale_all_dim is
-        set (transformers `yarn_apply_mscale`, §6.4). V3: 0.1352338; K2: 0.1308608; K2-0905: 0.1446796."""
+        set (transformers `yarn_apply_mscale`). V3: 0.1352338; K2: 0.1308608; K2-0905: 0.1446796."""
         scale = self.qk_head_dim**-0.5
         p = self.rope_scaling or {}
         if self.rope_type != "default" and p.get("mscale_all_dim"):
@@ -177,7 +177,7 @@ class DeepseekV3Config:
 
     def kv_cache_dims(self) -> tuple[tuple[int, int], tuple[int, int]]:
         """What the KV cache holds per token per layer: k = the normalised latent (1 × C), v = the rotated
-        shared rope key (1 × R) — 576 values for V3 instead of N·(P+R+Vd) = 40960 (§6.5)."""
+        shared rope key (1 × R) — 576 values for V3 instead of N·(P+R+Vd) = 40960."""
         return (1, self.kv_lora_rank), (1, self.qk_rope_head_dim)
 
     def for_checkpoint(self, tensor_names: set[str]) -> DeepseekV3Config:
@@ -218,7 +218,7 @@ class DeepseekV3Config:
 
     @classmethod
     def deepseek_v3(cls, **overrides: Any) -> DeepseekV3Config:
-        """deepseek-ai/DeepSeek-V3 (and R1, V3-0324, V3.1: the same graph) as published (§6.1)."""
+        """deepseek-ai/DeepSeek-V3 (and R1, V3-0324, V3.1: the same graph) as published."""
         kw = dict(vocab_size=129280, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
                   num_hidden_layers=61, num_attention_heads=128, num_key_value_heads=128, q_lora_rank=1536,
                   kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
@@ -235,7 +235,7 @@ class DeepseekV3Config:
 
     @classmethod
     def kimi_k2(cls, **overrides: Any) -> DeepseekV3Config:
-        """moonshotai/Kimi-K2-Instruct (§7): 384 experts, 64 heads, no group routing, scaling 2.827, one dense
+        """moonshotai/Kimi-K2-Instruct: 384 experts, 64 heads, no group routing, scaling 2.827, one dense
         layer, theta 5e4, YaRN ×32 with beta_fast = beta_slow = 1, no MTP. Token ids and eps [memory]."""
         kw = dict(vocab_size=163840, num_attention_heads=64, num_key_value_heads=64, n_routed_experts=384,
                   n_group=1, topk_group=1, routed_scaling_factor=2.827, first_k_dense_replace=1,
@@ -258,8 +258,9 @@ class DeepseekV3Config:
     @classmethod
     def from_hf(cls, d: Mapping[str, Any]) -> DeepseekV3Config:
         """Build from a config.json dict in the transformers-5 or the legacy (Hub / remote-code) spelling
-        (§2.7): rope_parameters or rope_theta + rope_scaling, dtype or torch_dtype, num_nextn_predict_layers
-        or num_mtp_layers, absent topk_method / scoring_func (defaulted to noaux_tc / sigmoid)."""
+        (docs/formats/hf-checkpoint.md): rope_parameters or rope_theta + rope_scaling, dtype or torch_dtype,
+        num_nextn_predict_layers or num_mtp_layers, absent topk_method / scoring_func (defaulted to noaux_tc /
+        sigmoid)."""
         archs = d.get("architectures") or [ARCHITECTURE]
         if ARCHITECTURE not in archs:
             raise ValueError(f"config.json: architectures {archs} is not {ARCHITECTURE}")
@@ -382,13 +383,13 @@ class DeepseekV3Config:
 def rope_interleaved(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     """Rotate adjacent pairs (x0, x1), (x2, x3), ... of x [B, T, N, R] by one frequency each and return
     them de-interleaved (rotated evens, then rotated odds), as transformers 5.24
-    `apply_rotary_pos_emb_interleave` does; applied to q and k alike, q·k is the upstream rotation (§6.3)."""
+    `apply_rotary_pos_emb_interleave` does; applied to q and k alike, q·k is the upstream rotation."""
     x = jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)  # [B, T, N, R] pairs -> halves
     return apply_rope(x, cos, sin)
 
 
 class MLAttention(nnx.Module):
-    """DeepSeek MLA (§6.2–6.5): expanded per-head K/V without a cache, latent-space (absorbed) attention
+    """DeepSeek MLA: expanded per-head K/V without a cache, latent-space (absorbed) attention
     with a cache that stores the normalised latent and the rotated shared rope key."""
 
     def __init__(self, config: DeepseekV3Config, *, rngs: nnx.Rngs, dtype: Any, param_dtype: Any):
@@ -457,7 +458,7 @@ class MLAttention(nnx.Module):
 
 
 def moe_block(c: DeepseekV3Config, kw: dict[str, Any]) -> MoE:
-    """Sigmoid group-limited router `gate` (§6.6) + E per-expert SwiGLUs + the shared SwiGLU (§6.7)."""
+    """Sigmoid group-limited router `gate` + E per-expert SwiGLUs + the shared SwiGLU."""
     return sigmoid_moe(c.hidden_size, c.n_routed_experts, c.num_experts_per_tok, c.moe_intermediate_size,
                        c.n_shared_experts, n_group=c.n_group, topk_group=c.topk_group, norm_topk_prob=c.norm_topk_prob,
                        routed_scaling_factor=c.routed_scaling_factor, **kw)

@@ -3,9 +3,9 @@ q/k/v biases (no o bias), optional per-head QK-norm, partial NeoX RoPE on the fi
 head, DeepSeek-style sigmoid-routed MoE with a shared expert, and MTP (NextN) layers kept after the
 main stack.
 
-Mirrors /work/shared/reference/architectures.md §9 (config, attention, MoE, MTP, tensors), §2, §3,
-§6.6 (the router), §6.8 (the MTP layer) and transformers 5.24.0 `models/glm4_moe/modeling_glm4_moe.py`
-/ `configuration_glm4_moe.py`, which define parity:
+Mirrors docs/models/glm4-moe.md (config, attention, MoE, MTP, tensors), docs/models/decoder.md,
+docs/models/deepseek-v3.md (the router, the MTP layer) and transformers 5.24.0
+`models/glm4_moe/modeling_glm4_moe.py` / `configuration_glm4_moe.py`, which define parity:
 
 * rotary dim d = int(head_dim · partial_rotary_factor) (0.5 -> 64 of 128): inv_freq over d (not
   head_dim), cos/sin [B, T, d], the first d dims of each head rotate (NeoX halves of d/2), the rest
@@ -16,7 +16,7 @@ Mirrors /work/shared/reference/architectures.md §9 (config, attention, MoE, MTP
   renormalised (+1e-20) iff norm_topk_prob, × routed_scaling_factor; plus `mlp.shared_experts`, a
   SwiGLU of width moe_intermediate_size · n_shared_experts, on every token;
 * `head_dim` is REQUIRED in config.json: transformers' fallback hidden/heads is wrong for both
-  published models (5120/96 = 53, 4096/96 = 42; they use 128) (§9.1);
+  published models (5120/96 = 53, 4096/96 = 42; they use 128);
 * MTP layers sit at `model.layers.{num_hidden_layers + m}` (`enorm`, `hnorm`, `eh_proj`,
   `shared_head.norm`, copies of the embedding / LM head, and a full attention + MoE block);
   transformers' main model ignores them. `Glm4MoeConfig.for_checkpoint` sizes them to the files.
@@ -155,7 +155,7 @@ class Glm4MoeConfig:
 
     @classmethod
     def glm4_5(cls, **overrides: Any) -> Glm4MoeConfig:
-        """zai-org/GLM-4.5 (355B-A32B), §9.1: 92 layers (3 dense), D 5120, F 12288, 96/8 heads of 128,
+        """zai-org/GLM-4.5 (355B-A32B): 92 layers (3 dense), D 5120, F 12288, 96/8 heads of 128,
         160 experts of 1536 + 1 shared, top-8, scaling 2.5, QK-norm, MTP layer 92 (built: 0 until
         `for_checkpoint` or an override). eos/pad: memory of the Hub config.json [unverified]."""
         kw = dict(vocab_size=151552, hidden_size=5120, intermediate_size=12288, moe_intermediate_size=1536,
@@ -169,7 +169,7 @@ class Glm4MoeConfig:
 
     @classmethod
     def glm4_5_air(cls, **overrides: Any) -> Glm4MoeConfig:
-        """zai-org/GLM-4.5-Air (106B-A12B), §9.1: 46 layers (1 dense), D 4096, F 10944, 96/8 heads of 128,
+        """zai-org/GLM-4.5-Air (106B-A12B): 46 layers (1 dense), D 4096, F 10944, 96/8 heads of 128,
         128 experts of 1408 + 1 shared, top-8, scaling 1.0, no QK-norm, MTP layer 46. eos/pad as GLM-4.5
         [unverified]."""
         kw = dict(vocab_size=151552, hidden_size=4096, intermediate_size=10944, moe_intermediate_size=1408,
@@ -185,7 +185,7 @@ class Glm4MoeConfig:
 
     @classmethod
     def from_hf(cls, d: Mapping[str, Any]) -> Glm4MoeConfig:
-        """Build from a config.json dict in the transformers-5 or the legacy spelling (§2.7).
+        """Build from a config.json dict in the transformers-5 or the legacy spelling.
         `num_mtp_layers` stays 0: from_pretrained sizes it with `for_checkpoint`."""
         archs = d.get("architectures") or [ARCHITECTURE if d.get("model_type") == MODEL_TYPE else ""]
         if archs[0] != ARCHITECTURE:

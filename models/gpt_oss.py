@@ -1,10 +1,10 @@
 """GPT-OSS (20B / 120B) in Flax NNX, numerically matching transformers 5.24 `GptOssForCausalLM`.
 
-Mirrors /work/shared/reference/architectures.md §8 (config, alternating sliding/full layers,
-attention with learned sinks, top-k-then-softmax router with a bias, interleaved clamped-SwiGLU
-experts with biases, on-disk layout, MXFP4), §2.2 (GPT-OSS RMSNorm: × weight in fp32, then cast;
-norm weights kept in fp32), §3.3 (YaRN with `truncate: false`; cos and sin × the attention factor,
-softmax scale head_dim^-0.5) and §11; the parity authority is transformers
+Mirrors docs/models/gpt-oss.md (config, alternating sliding/full layers, attention with learned sinks,
+top-k-then-softmax router with a bias, interleaved clamped-SwiGLU experts with biases, on-disk layout,
+MXFP4, GPT-OSS RMSNorm: × weight in fp32, then cast, norm weights kept in fp32; YaRN with
+`truncate: false`: cos and sin × the attention factor, softmax scale head_dim^-0.5; pitfalls) and
+docs/models/decoder.md; the parity authority is transformers
 `models/gpt_oss/modeling_gpt_oss.py` and `configuration_gpt_oss.py`.
 
 Module attribute names mirror the HF tensor names (models/hf.py maps them structurally):
@@ -42,13 +42,13 @@ ARCHITECTURE = "GptOssForCausalLM"
 MODEL_TYPE = "gpt_oss"
 SLIDING, FULL = "sliding_attention", "full_attention"
 DEFAULT_THETA = 150000.0  # transformers GptOssConfig.default_theta
-# transformers' GptOssConfig.__post_init__ default when config.json has no RoPE parameters (§8.1)
+# transformers' GptOssConfig.__post_init__ default when config.json has no RoPE parameters
 DEFAULT_YARN: dict[str, Any] = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
                                 "truncate": False, "original_max_position_embeddings": 4096}
 
 
 def default_layer_types(num_layers: int) -> tuple[str, ...]:
-    """Even-indexed layers slide, odd layers attend fully (§8.2; transformers `(i + 1) % 2`)."""
+    """Even-indexed layers slide, odd layers attend fully (transformers `(i + 1) % 2`)."""
     return tuple(SLIDING if (i + 1) % 2 else FULL for i in range(num_layers))
 
 
@@ -132,14 +132,14 @@ class GptOssConfig:
 
     @classmethod
     def gpt_oss_20b(cls, **overrides: Any) -> GptOssConfig:
-        """openai/gpt-oss-20b (§8.1): 24 layers, 32 experts, router_aux_loss_coef 0.9 as released."""
+        """openai/gpt-oss-20b: 24 layers, 32 experts, router_aux_loss_coef 0.9 as released."""
         kw = dict(num_hidden_layers=24, num_local_experts=32, router_aux_loss_coef=0.9, **_PUBLISHED)
         return cls(**{**kw, **overrides})
 
     @classmethod
     def gpt_oss_120b(cls, **overrides: Any) -> GptOssConfig:
-        """openai/gpt-oss-120b (§8.1): 36 layers, 128 experts. router_aux_loss_coef 0.9 assumes the
-        120b file matches the 20b one (⚠ unverified in the reference)."""
+        """openai/gpt-oss-120b: 36 layers, 128 experts. router_aux_loss_coef 0.9 assumes the
+        120b file matches the 20b one (unverified)."""
         kw = dict(num_hidden_layers=36, num_local_experts=128, router_aux_loss_coef=0.9, **_PUBLISHED)
         return cls(**{**kw, **overrides})
 
@@ -147,7 +147,7 @@ class GptOssConfig:
 
     @classmethod
     def from_hf(cls, d: Mapping[str, Any]) -> GptOssConfig:
-        """Build from a config.json dict in the transformers-5 or the legacy spelling (§2.7).
+        """Build from a config.json dict in the transformers-5 or the legacy spelling.
 
         RoPE follows transformers' precedence: a legacy `rope_scaling` dict wins over
         `rope_parameters`; neither present -> the class default YaRN dict; `rope_theta` from the
@@ -234,7 +234,7 @@ class GptOssConfig:
         }
 
 
-_PUBLISHED = dict(  # §8.1 [cfg]; eos 200002 = <|return|> (§8.8) is from memory of the released config.json
+_PUBLISHED = dict(  # published configs; eos 200002 = <|return|> is from memory of the released config.json
     vocab_size=201088, hidden_size=2880, intermediate_size=2880, num_attention_heads=64, num_key_value_heads=8,
     head_dim=64, num_experts_per_tok=4, sliding_window=128, rope_theta=150000.0, rope_scaling=DEFAULT_YARN,
     max_position_embeddings=131072, rms_norm_eps=1e-5, attention_bias=True, swiglu_limit=7.0, swiglu_alpha=1.702,
@@ -251,7 +251,7 @@ class GptOss(DecoderLM):
     """embed -> L × (sink attention, sliding on even layers + top-k MoE) -> RMSNorm -> LM head.
 
     The three kinds of RMSNorm keep fp32 weights and multiply in fp32 before the cast
-    (transformers `_keep_in_fp32_modules`, §2.2), whatever `param_dtype` is.
+    (transformers `_keep_in_fp32_modules`), whatever `param_dtype` is.
     """
 
     def __init__(self, config: GptOssConfig, *, rngs: nnx.Rngs, dtype: Any = jnp.float32,

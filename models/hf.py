@@ -1,8 +1,7 @@
 """HF checkpoint I/O: config.json + (sharded) safetensors <-> NNX models, in the transformers layout.
 
-Reference: /work/shared/reference/architectures.md §2.6 (tied heads omit lm_head on disk), §2.7
-(config spellings), §4.3 (tensor names and [out, in] shapes) and
-speculative-and-quantization-formats.md §B2 (compressed-tensors int8 checkpoints).
+Reference: docs/formats/hf-checkpoint.md (tied heads omit lm_head on disk, config spellings, tensor
+names and [out, in] shapes) and docs/formats/compressed-tensors.md (compressed-tensors checkpoints).
 
     model = from_pretrained("ckpt/")            # or file:///abs/ckpt, or s3://... through storage/
     save_pretrained(model, "out/", max_shard_bytes=2**30)

@@ -1,8 +1,8 @@
 """Shared building blocks for the decoder families: Linear (LoRA- and int8-capable), Embed, RMSNorm,
 rotary embeddings and the one attention kernel used for training, prefill, decode and verify.
 
-Mirrors /work/shared/reference/architectures.md §2 (RMSNorm cast order, NeoX RoPE, GQA attention)
-and §3.1–3.2 (default and llama3 RoPE frequencies).
+Mirrors docs/models/decoder.md (RMSNorm cast order, NeoX RoPE, GQA attention, default / llama3 / YaRN
+RoPE frequencies).
 
 Shape legend: B batch, T query length, S key length (cache length when decoding), D model width,
 N query heads, K kv heads, G = N / K query heads per kv head, H head dim, V vocab.
@@ -198,7 +198,7 @@ class Embed(nnx.Module):
 class RMSNorm(nnx.Module):
     """w · x / sqrt(mean(x²) + eps): statistics in fp32, cast back to the input dtype, then × w.
 
-    `weight_in_fp32` (GPT-OSS, architectures.md §2.2): multiply by w in fp32 first, then cast.
+    `weight_in_fp32` (GPT-OSS, docs/models/gpt-oss.md): multiply by w in fp32 first, then cast.
     """
 
     def __init__(self, features: int, *, eps: float, axis_name: str = "norm", param_dtype: Any = jnp.float32,
@@ -224,7 +224,7 @@ def rope_frequencies(
     dim: int, theta: float, scaling: Mapping[str, Any] | None = None, max_position_embeddings: int | None = None
 ) -> tuple[np.ndarray, float]:
     """(inv_freq [dim/2] float32, attention_scaling) for `dim` rotary dims, as transformers'
-    `modeling_rope_utils` computes them: default, linear, llama3 and YaRN (architectures.md §3).
+    `modeling_rope_utils` computes them: default, linear, llama3 and YaRN (docs/models/decoder.md).
 
     attention_scaling multiplies cos and sin (1.0 except YaRN without mscale/mscale_all_dim).
     """
@@ -255,7 +255,7 @@ def rope_frequencies(
 
 def _yarn(dim: int, base: float, p: Mapping[str, Any], pos_freqs: np.ndarray,
           max_position_embeddings: int | None) -> tuple[np.ndarray, float]:
-    """YaRN (transformers `_compute_yarn_parameters`, architectures.md §3.3)."""
+    """YaRN (transformers `_compute_yarn_parameters`, docs/models/decoder.md)."""
     orig = p.get("original_max_position_embeddings") or max_position_embeddings
     factor = p.get("factor")
     if factor is None:  # DeepSeek-style: the ratio of the extended to the pretraining length
@@ -299,7 +299,7 @@ def rope_config_from_hf(
     source: str = "config.json",
 ) -> tuple[float, float | None, dict[str, Any] | None]:
     """(rope_theta, partial_rotary_factor or None, scaling dict or None) from a config.json dict, as
-    transformers 5 standardises it (architectures.md §2.7): a legacy `rope_scaling` dict wins over
+    transformers 5 standardises it (docs/formats/hf-checkpoint.md): a legacy `rope_scaling` dict wins over
     `rope_parameters` (`default` when neither is present), `rope_theta` and `partial_rotary_factor`
     fall back to the top-level fields, `type` is the legacy spelling of `rope_type`. The scaling dict
     is None for plain RoPE, else {"rope_type": ..., <its parameters>}."""
@@ -362,7 +362,7 @@ def attention_core(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, si
     sinks [K, G] fp32 or None -> [B, K, T, G, Hv]. The G query heads sharing a kv head ride along
     the query axis, so both products are plain batched GEMMs. Softmax in fp32. A fully masked row
     (a padding query) gets a uniform distribution instead of NaN when there is no sink, and all of
-    its mass on the sink (output 0) when there is one (GPT-OSS, architectures.md §8.3).
+    its mass on the sink (output 0) when there is one (GPT-OSS, docs/models/gpt-oss.md).
     """
     return _attention_fwd(q, k, v, mask, sinks)[0]
 

@@ -1,8 +1,8 @@
 """Llama and Qwen3 dense decoders in Flax NNX, numerically matching transformers 5.24.
 
-Mirrors /work/shared/reference/architectures.md §2 (skeleton, RMSNorm, attention, RoPE, SwiGLU,
-tied head), §3.1–3.2 (default and llama3 RoPE) and §4 (Llama / Qwen3: QK-norm before RoPE, head_dim
-that may differ from D/N, config fields). Module attribute names mirror the HF tensor names, so
+Mirrors docs/models/decoder.md (skeleton, RMSNorm, attention, RoPE incl. default and llama3, SwiGLU,
+tied head) and docs/models/llama-qwen3.md (Llama / Qwen3: QK-norm before RoPE, head_dim that may differ
+from D/N, config fields). Module attribute names mirror the HF tensor names, so
 `layers.3.self_attn.q_proj.kernel` is `model.layers.3.self_attn.q_proj.weight` transposed
 (models/hf.py).
 
@@ -109,7 +109,7 @@ class LlamaConfig:
 
     @classmethod
     def from_hf(cls, d: Mapping[str, Any]) -> LlamaConfig:
-        """Build from a config.json dict in the transformers-5 or the legacy spelling (§2.7)."""
+        """Build from a config.json dict in the transformers-5 or the legacy spelling."""
         archs = d.get("architectures") or [MODEL_TYPE_TO_ARCH.get(d.get("model_type", ""), "")]
         arch = archs[0]
         if arch not in ARCH_TO_MODEL_TYPE:

@@ -2,11 +2,11 @@
 MoE block with optional shared experts — the pieces Qwen3-MoE, DeepSeek-V3/Kimi K2, GLM-4.5 and
 GPT-OSS assemble.
 
-Mirrors /work/shared/reference/architectures.md §5.1 (softmax over all experts, top-k, optional
-renormalisation), §6.6 (sigmoid scores, e_score_correction_bias for selection only, group score =
-sum of the group's top-2, −inf outside the kept groups, weights from the unbiased sigmoid,
-renormalise + 1e-20, × routed_scaling_factor, router math in fp32), §6.7 (shared experts), §8.4
-(GPT-OSS: logits + bias, top-k, softmax over the k selected logits) and §8.5 (interleaved gate/up,
+Mirrors docs/models/qwen3-moe.md (softmax over all experts, top-k, optional renormalisation; the
+dispatch), docs/models/deepseek-v3.md (sigmoid scores, e_score_correction_bias for selection only,
+group score = sum of the group's top-2, −inf outside the kept groups, weights from the unbiased
+sigmoid, renormalise + 1e-20, × routed_scaling_factor, router math in fp32; shared experts) and
+docs/models/gpt-oss.md (logits + bias, top-k, softmax over the k selected logits; interleaved gate/up,
 clamped SwiGLU with (up + 1), per-expert biases added before the routing weight).
 
 Dispatch scales with top-k, not with the number of experts: the T·k (token, expert) pairs are
@@ -529,7 +529,7 @@ def sigmoid_moe(
     topk_group: int, norm_topk_prob: bool, routed_scaling_factor: float, rngs: nnx.Rngs, dtype: Any,
     param_dtype: Any,
 ) -> MoE:
-    """The DeepSeek-V3 / Kimi K2 / GLM-4.5 block (§6.6–6.7, §9.3): sigmoid group-limited router `gate`,
+    """The DeepSeek-V3 / Kimi K2 / GLM-4.5 block (docs/models/deepseek-v3.md): sigmoid group-limited router `gate`,
     per-expert SwiGLUs, and a shared SwiGLU of width expert_width · num_shared (none when 0)."""
     kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
     router = Router(hidden_size, num_experts, top_k, scoring="sigmoid", norm_topk_prob=norm_topk_prob,

@@ -1,7 +1,7 @@
 """Qwen3 dense: the Llama graph with per-head QK-norm before RoPE, an explicit head_dim that may
 differ from D/N, and (for the small sizes) tied embeddings.
 
-Mirrors /work/shared/reference/architectures.md §4 (Qwen3 rows) and transformers
+Mirrors docs/models/llama-qwen3.md (Qwen3 rows) and transformers
 `models/qwen3/modeling_qwen3.py`. The modules are models/llama.py's (`LlamaConfig(qk_norm=True,
 architecture="Qwen3ForCausalLM")`); this file is the family's entry in the registry and its presets.
 
@@ -19,7 +19,7 @@ Qwen3 = Llama
 
 
 def qwen3_config(preset: str = "tiny", **overrides: Any) -> LlamaConfig:
-    """Presets: "tiny" (tests), "0.6b" and "8b" (published shapes, architectures.md §4.2)."""
+    """Presets: "tiny" (tests), "0.6b" and "8b" (published shapes, docs/models/llama-qwen3.md)."""
     if preset == "tiny":
         return LlamaConfig.qwen3_tiny(**overrides)
     shapes = {

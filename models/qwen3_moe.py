@@ -1,8 +1,8 @@
 """Qwen3-MoE (Qwen3-30B-A3B, Qwen3-235B-A22B): the Qwen3 attention (per-head QK-norm before RoPE,
 explicit head_dim) with a sparse softmax-routed MoE FFN on most layers.
 
-Mirrors /work/shared/reference/architectures.md §5 (forward, config fields, on-disk tensors), §2
-(shared conventions), §3 (RoPE incl. YaRN) and transformers 5.24.0
+Mirrors docs/models/qwen3-moe.md (forward, config fields, on-disk tensors), docs/models/decoder.md
+(shared conventions, RoPE incl. YaRN) and transformers 5.24.0
 `models/qwen3_moe/modeling_qwen3_moe.py` / `configuration_qwen3_moe.py`, which define parity:
 
 * layer i is a sparse MoE block iff i ∉ mlp_only_layers and num_experts > 0 and
@@ -49,7 +49,7 @@ DEFAULT_THETA = 10000.0  # transformers' RotaryEmbeddingConfigMixin.default_thet
 
 @dataclasses.dataclass(frozen=True)
 class Qwen3MoeConfig:
-    """Field names and class defaults are transformers 5.24.0 `Qwen3MoeConfig`'s (§5.2), except that
+    """Field names and class defaults are transformers 5.24.0 `Qwen3MoeConfig`'s, except that
     `head_dim` None means hidden_size // num_attention_heads (transformers' fallback when the field is
     absent; every published checkpoint sets it, and `from_hf` always reads it)."""
 
@@ -129,7 +129,7 @@ class Qwen3MoeConfig:
 
     @classmethod
     def qwen3_30b_a3b(cls, **overrides: Any) -> Qwen3MoeConfig:
-        """Qwen/Qwen3-30B-A3B (§5.2 [cfg]): D 2048, 48 layers, 32/4 heads of 128, 128 experts of 768, top-8,
+        """Qwen/Qwen3-30B-A3B (published config): D 2048, 48 layers, 32/4 heads of 128, 128 experts of 768, top-8,
         norm_topk_prob true, theta 1e6, eps 1e-6, 40960 positions. Unverified (memory of the Hub
         config.json): intermediate_size 6144 (unused: every layer is sparse) and bos/eos."""
         kw = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
@@ -158,7 +158,7 @@ class Qwen3MoeConfig:
 
     @classmethod
     def from_hf(cls, d: Mapping[str, Any]) -> Qwen3MoeConfig:
-        """Build from a config.json dict in the transformers-5 or the legacy spelling (§2.7)."""
+        """Build from a config.json dict in the transformers-5 or the legacy spelling."""
         archs = d.get("architectures") or [ARCHITECTURE if d.get("model_type") == MODEL_TYPE else ""]
         if archs[0] != ARCHITECTURE:
             raise ValueError(f"config.json: architecture {archs[0]!r} is not {ARCHITECTURE}")

@@ -1,11 +1,11 @@
 """Speculative decoding with feature-level draft heads (EAGLE-3, DeepSeek/GLM MTP): batched chain
 drafting with exact greedy or rejection-sampled verification, and EAGLE-2 dynamic draft trees.
 
-Mirrors /work/shared/reference/speculative-and-quantization-formats.md Part A: §A2-A3 (the draft
-reads target features f_p and token t_{p+1} at position p and predicts t_{p+2}; later steps feed
-its own hidden output back), §A4 (draft vocabulary: draft id -> target id through `d2t`), §A10
-(τ = mean tokens emitted per verify call, per-position acceptance). Rejection sampling follows
-Leviathan et al. 2023 / Chen et al. 2023; the dynamic tree follows EAGLE-2 (Li et al. 2024).
+Mirrors docs/speculative-decoding.md (the draft reads target features f_p and token t_{p+1} at
+position p and predicts t_{p+2}; later steps feed its own hidden output back; draft vocabulary: draft
+id -> target id through `d2t`; τ = mean tokens emitted per verify call, per-position acceptance).
+Rejection sampling follows Leviathan et al. 2023 / Chen et al. 2023; the dynamic tree follows EAGLE-2
+(Li et al. 2024).
 
     out = speculative_generate(target, draft, prompt_ids, max_new_tokens=64, k=5)       # greedy
     out = speculative_generate(target, draft, prompt_ids, max_new_tokens=64, temperature=1.0,

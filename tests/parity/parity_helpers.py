@@ -1,7 +1,7 @@
 """Shared builders for parity tests (used by conftest.py and the test modules): tiny random
 transformers checkpoints saved to tmp_path.
 
-Reference: /work/shared/reference/architectures.md §10 (tiny random configs, fp32, eager attention,
+Reference: docs/models/decoder.md, "fp32 parity conventions" (tiny random configs, fp32, eager attention,
 `jax_default_matmul_precision="highest"`).
 """
 

@@ -3,7 +3,7 @@
 * our `save_peft_adapter` output loads with `peft.PeftModel.from_pretrained` and gives our logits;
 * our `to_compressed_tensors` int8 tensors decompress with compressed-tensors'
   PackedQuantizationCompressor (and `unpack_from_int32` + `dequantize`) to exactly our weights
-  (speculative-and-quantization-formats.md §B2), and transformers loads our int8 checkpoint.
+  (docs/formats/compressed-tensors.md), and transformers loads our int8 checkpoint.
 """
 
 from __future__ import annotations

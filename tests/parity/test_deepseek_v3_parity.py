@@ -2,7 +2,7 @@
 matmul precision): MLA with and without q_lora, interleaved RoPE, YaRN with mscale / mscale_all_dim,
 group-limited sigmoid routing, shared experts, dense first layer, left padding, the absorbed-MLA KV cache
 (which must hold the latent), our save -> transformers load, an MTP layer against transformers' own
-`MtpModel`, FP8 block checkpoints, and the config spellings / presets (architectures.md §6, §7, §10).
+`MtpModel`, FP8 block checkpoints, and the config spellings / presets (docs/models/deepseek-v3.md).
 
 Tiny configs: hidden 64, 4 heads (= kv heads: transformers' MLA needs it), q_lora 32, kv_lora 16, nope 16,
 rope 8, v 16, 8 experts of 32, top-2, dense F 160 (> 128, so FP8 has an edge tile), 3 layers (1 dense),
@@ -329,7 +329,7 @@ def test_mtp_layer_matches_transformers_mtp_model(tmp_path):
 # FP8 block checkpoints
 # ------------------------------------------------------------------------------------------------
 
-FP8_SKIP = ("embed_tokens", "lm_head", "norm", "mlp.gate.weight")  # stay float (§6.9)
+FP8_SKIP = ("embed_tokens", "lm_head", "norm", "mlp.gate.weight")  # stay float (docs/formats/deepseek-fp8.md)
 
 
 def quantize_fp8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -412,7 +412,7 @@ HUB_V3 = {  # deepseek-ai/DeepSeek-V3 config.json (legacy spelling, remote-code 
 def test_presets_and_hub_spelling():
     v3 = DeepseekV3Config.deepseek_v3()
     assert DeepseekV3Config.from_hf(HUB_V3) == v3 == DeepseekV3Config.deepseek_r1()
-    assert v3.softmax_scale == pytest.approx(0.1352338, abs=1e-7)  # 192^-0.5 · 1.3688879² (§3.3)
+    assert v3.softmax_scale == pytest.approx(0.1352338, abs=1e-7)  # 192^-0.5 · 1.3688879²
     k2, k2_0905 = DeepseekV3Config.kimi_k2(), DeepseekV3Config.kimi_k2_0905()
     assert k2.softmax_scale == pytest.approx(0.1308608, abs=1e-7)
     assert k2_0905.softmax_scale == pytest.approx(0.1446796, abs=1e-7)

@@ -11,8 +11,8 @@
    them: tensor names, shapes, dtypes, config fields, aux-layer-id conventions, nothing an engine
    would silently drop.
 
-Reference: /work/shared/reference/speculative-and-quantization-formats.md §A8 (layouts) and §A9
-(pitfalls: d2t inside the safetensors file, vocab_size = the target's, dropped keys, aux layer ids).
+Reference: docs/formats/eagle3.md (layouts and pitfalls: d2t inside the safetensors file, vocab_size =
+the target's, dropped keys, aux layer ids).
 
 The speculators library pins transformers<=5.19 and pulls torchvision / torchaudio; it imports and
 runs with our transformers 5.24 and torch 2.13 CPU when installed without its dependency resolver
@@ -131,7 +131,7 @@ def engine_tensors(cfg: Mapping[str, Any], layer_prefix: str) -> dict[str, tuple
         f"{p}mlp.down_proj.weight": ((D, F), wdtype),
         "norm.weight": ((D,), wdtype),
         "lm_head.weight": ((Vd, D), wdtype),
-        "d2t": ((Vd,), "I64"),  # inside the safetensors file, int64 offsets (§A9.1)
+        "d2t": ((Vd,), "I64"),  # inside the safetensors file, int64 offsets (docs/formats/eagle3.md)
         "t2d": ((V,), "BOOL"),
     }
 
@@ -450,8 +450,8 @@ def test_draft_logits_match_speculators_over_ttt_steps(spx, exported):
 
 
 def test_ttt_loss_matches_speculators_unroll(spx, exported):
-    """Two packed segments. Per-step soft-label CE of our `ttt_loss` vs the same CE (§A3 labels and
-    mask) computed from the library's unrolled logits."""
+    """Two packed segments. Per-step soft-label CE of our `ttt_loss` vs the same CE (labels and
+    mask as in docs/speculative-decoding.md) computed from the library's unrolled logits."""
     model, _ = load_speculators_model(spx, exported["speculators"])
     draft = exported["draft"]
     rng = np.random.default_rng(2)

@@ -3,7 +3,8 @@ transformers loading what we write, and a forward on 8 fake CPU devices (data, f
 expert mesh axes) equal to the single-device forward.
 
 The per-family parity files test the math; this file tests that the I/O and the sharding rules hold
-for every registered architecture (architectures.md §2.6–2.8, DESIGN.md "Sharding").
+for every registered architecture (docs/formats/hf-checkpoint.md; docs/models/decoder.md, "Logical
+sharding axes").
 """
 
 from __future__ import annotations

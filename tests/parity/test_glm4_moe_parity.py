@@ -3,7 +3,7 @@
 Each variant is a tiny random `Glm4MoeForCausalLM` (D 64, 4 / 2 heads of 32 ≠ D/N with rotary dim 16,
 q/k/v biases, 8 experts of 32 in 2 groups with 1 kept, top-2, a shared expert, layer 0 dense) with
 every norm, bias and e_score_correction_bias perturbed, saved with transformers and loaded with our
-`from_pretrained`; logits must agree to 1e-4 relative error (architectures.md §9, §10). Covers QK-norm
+`from_pretrained`; logits must agree to 1e-4 relative error (docs/models/glm4-moe.md). Covers QK-norm
 on and off, the partial rotary tables, a left-padded batch, decode through the KV cache, our save
 loaded by transformers, the grouped expert dispatch against the dense reference, the required
 `head_dim`, and an MTP layer: transformers never writes one, so the test adds one to the safetensors

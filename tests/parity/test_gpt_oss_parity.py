@@ -1,5 +1,5 @@
 """GPT-OSS parity with transformers 5.24 `GptOssForCausalLM` (fp32, eager attention, highest matmul
-precision; architectures.md §8, §10, §11).
+precision; docs/models/gpt-oss.md).
 
 One tiny random transformers model (4 layers: sliding, full, sliding, full; window 8 shorter than
 every test sequence; 6 experts, top-2; YaRN from 16 positions, factor 4, truncate false) with

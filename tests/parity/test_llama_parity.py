@@ -1,7 +1,7 @@
 """Llama / Qwen3 parity with transformers 5.24 (fp32, eager attention, highest matmul precision).
 
 Each test builds a tiny random transformers model, saves it with `save_pretrained` and loads it
-with our `from_pretrained`; logits must agree to 1e-4 relative error (architectures.md §10).
+with our `from_pretrained`; logits must agree to 1e-4 relative error (docs/models/decoder.md).
 """
 
 from __future__ import annotations

@@ -1,14 +1,14 @@
 """Our quantized checkpoints (models/quant.py + `save_pretrained`) loaded by the reference libraries.
 
-Reference: /work/shared/reference/speculative-and-quantization-formats.md Part B (§B2 compressed-tensors
-`pack-quantized` / `float-quantized`, §B5 DeepSeek block FP8, §B8 MoE). Each test builds a tiny random
+Reference: docs/formats/compressed-tensors.md (`pack-quantized` / `float-quantized`),
+docs/formats/deepseek-fp8.md (DeepSeek block FP8) and docs/quantization.md (MoE). Each test builds a tiny random
 transformers model, loads it with our `from_pretrained`, quantizes it in place with `quantize_model`
 (calibrated on random tokens with padding), saves it with our `save_pretrained`, loads that folder with
 transformers 5.24 + compressed-tensors 0.20.1 and asserts transformers' logits equal *our quantized
 model's* to 1e-4 relative error — while both differ from the float model's by far more, so a checkpoint
 that silently held float (or differently rounded) weights would fail.
 
-What transformers can load on CPU (measured, /tmp/h6/research/FINDINGS.md), and therefore what is tested:
+What transformers can load on CPU (measured; docs/formats/compressed-tensors.md), and therefore what is tested:
 * symmetric int `pack-quantized` (dense and per-expert MoE): plain `from_pretrained`;
 * asymmetric int: only with `CompressedTensorsConfig(dequantize=True)` and only for dense models — the
   default path allocates an unpacked int8 zero point, and the MoE expert path never reads zero points;

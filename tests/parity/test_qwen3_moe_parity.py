@@ -3,7 +3,7 @@
 Each variant is a tiny random `Qwen3MoeForCausalLM` (D 64, 4 / 2 heads of 32 ≠ D/N, 8 experts of
 32, top-2, 3 layers mixing dense and sparse FFNs) with every norm and bias perturbed, saved with
 transformers and loaded with our `from_pretrained`; logits must agree to 1e-4 relative error
-(architectures.md §5, §10). Covers: decoder_sparse_step and mlp_only_layers, norm_topk_prob true and
+(docs/models/qwen3-moe.md). Covers: decoder_sparse_step and mlp_only_layers, norm_topk_prob true and
 false, q/k/v/o biases, tied embeddings, YaRN that matters at the test length (factor 4, original 16),
 the sliding window, a left-padded batch, decode through the KV cache, our save loaded by transformers,
 the grouped expert dispatch against the dense reference, and the legacy config.json spelling.
@@ -116,7 +116,7 @@ def test_our_save_loads_in_transformers(checkpoint, tmp_path, variant):
     index = json.loads((out / "model.safetensors.index.json").read_text())
     names = set(index["weight_map"])
     assert len(set(index["weight_map"].values())) > 1
-    for i in range(3):  # per-expert tensors on sparse layers, a dense SwiGLU elsewhere (§5.3)
+    for i in range(3):  # per-expert tensors on sparse layers, a dense SwiGLU elsewhere
         sparse = model.config.is_moe_layer(i)
         assert (f"model.layers.{i}.mlp.experts.7.down_proj.weight" in names) == sparse
         assert (f"model.layers.{i}.mlp.gate.weight" in names) == sparse

@@ -1,6 +1,6 @@
 """RoPE frequency tables against transformers' own `ROPE_INIT_FUNCTIONS` (modeling_rope_utils.py)
-for the published rope configs of every family, and the derived YaRN constants of
-architectures.md §3.3 (correction range and attention factor)."""
+for the published rope configs of every family, and the derived YaRN constants (correction range and
+attention factor; docs/models/deepseek-v3.md, docs/models/gpt-oss.md)."""
 
 from __future__ import annotations
 
@@ -59,7 +59,7 @@ def test_inv_freq_and_attention_scaling_match_transformers(name):
 
 
 def test_yarn_constants_of_the_reference_table():
-    """architectures.md §3.3: DeepSeek folds the temperature into the softmax (cos/sin × 1), GPT-OSS
+    """DeepSeek folds the temperature into the softmax (cos/sin × 1), GPT-OSS
     scales cos/sin by 0.1 ln 32 + 1 = 1.3465736 and does not truncate its correction range."""
     _, s = rope_frequencies(64, 1e4, DEEPSEEK_V3, 163840)
     assert s == 1.0

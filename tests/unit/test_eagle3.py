@@ -370,7 +370,7 @@ def test_export_round_trip(draft, tmp_path, layout):
     np.testing.assert_array_equal(loaded16.lm_head.kernel[...],
                                   np.asarray(draft.lm_head.kernel[...]).astype(ml_dtypes.bfloat16).astype(np.float32))
 
-    # a missing d2t is an error naming it (the silent-acceptance-collapse pitfall, §A9.1)
+    # a missing d2t is an error naming it (the silent-acceptance-collapse pitfall, docs/formats/eagle3.md)
     del tensors["d2t"]
     safetensors.numpy.save_file(tensors, str(tmp_path / "bf16" / "model.safetensors"))
     with pytest.raises(ValueError, match="missing: d2t"):
@@ -379,7 +379,8 @@ def test_export_round_trip(draft, tmp_path, layout):
 
 def numpy_draft_forward(t: dict[str, np.ndarray], embed: np.ndarray, ids: np.ndarray, feats: np.ndarray,
                         eps: float, theta: float, N: int, K: int, H: int) -> np.ndarray:
-    """§A2 written out in numpy from the SGLang tensors, one causal sequence: logits [T, Vd]."""
+    """The draft forward (docs/speculative-decoding.md) written out in numpy from the SGLang tensors, one
+    causal sequence: logits [T, Vd]."""
     def rms(x, w):
         return w * x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)
 

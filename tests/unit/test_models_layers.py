@@ -1,6 +1,6 @@
 """Layer-level checks: the custom-VJP, causally blocked attention against a plain autodiff reference
 (with GPT-OSS sinks, MLA's value width != key width and DeepSeek's explicit scale), partial RoPE,
-and RoPE frequencies (architectures.md §3, §6.2, §8.3, §9.2)."""
+and RoPE frequencies (docs/models/decoder.md)."""
 
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ def test_attention_values_and_gradients(monkeypatch, causal):
 
 
 def reference_sink_attention(q, k, v, mask, sinks, scale):
-    """softmax over [scores, sink] with the sink column dropped (architectures.md §8.3), autodiff."""
+    """softmax over [scores, sink] with the sink column dropped (docs/models/gpt-oss.md), autodiff."""
     N, K = q.shape[2], k.shape[2]
     k, v = jnp.repeat(k, N // K, axis=2), jnp.repeat(v, N // K, axis=2)
     s = jnp.einsum("btnh,bsnh->bnts", q, k) * scale
@@ -96,7 +96,8 @@ def test_attention_with_sinks_scale_and_wider_values(monkeypatch, causal):
 
 
 def test_partial_rope_rotates_only_the_first_dims():
-    """GLM-4.5 (§9.2): cos/sin over d < H rotate the first d dims of each head; the rest pass through."""
+    """GLM-4.5 (docs/models/glm4-moe.md): cos/sin over d < H rotate the first d dims of each head; the rest
+    pass through."""
     x = jax.random.normal(jax.random.PRNGKey(0), (1, 5, 2, 16))
     inv, _ = layers.rope_frequencies(8, 10000.0)
     cos, sin = layers.rope_cos_sin(jnp.arange(5)[None], inv, jnp.float32)

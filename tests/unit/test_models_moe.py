@@ -1,5 +1,5 @@
 """MoE building blocks (models/moe.py): routers against plain numpy re-statements of the reference
-rules (architectures.md §5.1, §6.6, §8.4), grouped dispatch against the dense every-expert reference
+rules (docs/models/qwen3-moe.md, deepseek-v3.md, gpt-oss.md), grouped dispatch against the dense every-expert reference
 in value and gradient, and the HF expert layouts."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ jax.config.update("jax_default_matmul_precision", "highest")
 
 
 def np_sigmoid_route(x, W, bias, k, n_group, topk_group, norm, scale):
-    """§6.6 step by step in numpy, one token at a time."""
+    """The sigmoid group-limited rule (docs/models/deepseek-v3.md) step by step in numpy, one token at a time."""
     out_w, out_i = [], []
     for row in x.astype(np.float64):
         s = 1 / (1 + np.exp(-(W.astype(np.float64) @ row)))

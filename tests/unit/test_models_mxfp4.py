@@ -1,5 +1,5 @@
 """MXFP4 expert weights (models/formats.py) bit for bit against transformers 5.24
-`integrations.mxfp4.convert_moe_packed_tensors` (architectures.md §8.6–8.7, §10 item 4, §11 pitfall 13).
+`integrations.mxfp4.convert_moe_packed_tensors` (docs/formats/deepseek-fp8.md).
 
 convert_moe_packed_tensors decodes blocks [E, out, G, 16] + scales [E, out, G] to [E, out, G·32] and
 then transposes to transformers' [E, in, out]; `dequant_mxfp4` stops before the transpose and
