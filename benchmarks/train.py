@@ -5,10 +5,10 @@
 Prints two tables, every number measured in this run on this machine (only same-run ratios
 mean anything here):
 1. full fine-tuning of a dense Llama (d=512, 4 layers, 8 heads of 64, V=8192, fp32, B=8, T=256):
-   tokens/s of tasks.train.Trainer's step vs a transformers LlamaForCausalLM + torch AdamW step on the
+   tokens/s of tasks.training.trainer.Trainer's step vs a transformers LlamaForCausalLM + torch AdamW step on the
    same config and batch (benchmarks.run.bench_train), and MFU = tokens/s × model FLOPs per token
-   (tasks.metrics.train_flops_per_token, PaLM appendix B) ÷ this machine's jitted f32 matmul peak
-   (tasks.metrics.matmul_peak_flops, measured here);
+   (tasks.training.flops.train_flops_per_token, PaLM appendix B) ÷ this machine's jitted f32 matmul peak
+   (tasks.training.flops.matmul_peak_flops, measured here);
 2. ours, LoRA (r=16 on every attention and MLP projection) vs full: tokens/s, MFU (LoRA counts 4 FLOPs
    per frozen weight and 6 per adapter weight, see train_flops_per_token), trainable parameters, the
    bytes of trainable parameters + optimizer state (Trainer.state()), and XLA's compiled memory
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> None:
 
     # Other work shares these machines: every number is the best over interleaved rounds, so that a
     # disturbed moment costs one sample, not one variant.
-    peaks = [matmul_peak_flops(jnp.float32)]  # GFLOP/s below; tasks.metrics' measurement, cached per process
+    peaks = [matmul_peak_flops(jnp.float32)]  # GFLOP/s below; tasks.training.flops' measurement, cached per process
     full, lora = Ours(cfg, batch, seq, lora=False), Ours(cfg, batch, seq, lora=True)
     ours_tps = torch_tps = peak_torch = 0.0
     for _ in range(rounds):

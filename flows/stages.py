@@ -1,6 +1,6 @@
 """Prefect tasks around forgeline's stages: one generic task whose cache key is the stage fingerprint.
 
-- cache key = the fingerprint, i.e. the stage's storage address (prefect-practice.md §2.2), joined
+- cache key = the fingerprint, i.e. the stage's storage address (docs/orchestration.md, cache keys), joined
   with the committed artifact's URL and manifest digest, and only while that manifest exists: if the
   artifact was deleted the key changes and the stage runs again, and a record written for another
   store never answers for this one (the manifest, not Prefect's cache record, is the source of truth);

@@ -24,8 +24,8 @@ Documents are `bos + tokens + eos`. Plain text trains on every target; prompt/co
 train on the completion and its eos only. The split is a sha1 hash of the document's group
 (`split_of`), unsalted so that every corpus and every run agrees.
 
-Chat documents (a `messages` list, see tasks/corpora.py) are rendered with a chat template
-(tasks/chat.py): `chat_template.jinja` beside the given tokenizer.json, else its tokenizer_config.json's
+Chat documents (a `messages` list, see tasks/data/corpora.py) are rendered with a chat template
+(tasks/data/chat.py): `chat_template.jinja` beside the given tokenizer.json, else its tokenizer_config.json's
 `chat_template` (a string, or the list entry named "default"), rendered in transformers' sandboxed
 Jinja environment; without either (and always for a tokenizer trained here) `chat.DEFAULT_CHAT_TEMPLATE`,
 the format this stage has always written (system and user messages share one block):
@@ -159,7 +159,7 @@ def tokenizer_config(given: dict | None, sp: dict, template: chat.ChatTemplate) 
 
 def load_chat_template(location: Path | str | None, tokenizer_config: dict | None, sp: dict) -> chat.ChatTemplate:
     """The template chat documents are rendered with: chat_template.jinja beside the tokenizer.json at
-    `location`, else tokenizer_config's chat_template, else chat.DEFAULT_CHAT_TEMPLATE (see tasks/chat.py)."""
+    `location`, else tokenizer_config's chat_template, else chat.DEFAULT_CHAT_TEMPLATE (see tasks/data/chat.py)."""
     loc = _tokenizer_file(location) if location is not None else None
     template_file = None
     if loc is not None and (path := _beside(loc, "chat_template.jinja")):

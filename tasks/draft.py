@@ -2,15 +2,14 @@
 
     python -m tasks.draft --target DIR --traces DIR --out DIR [--set ttt_steps=7 draft_vocab_size=2048 ...]
 
-Mirrors /work/shared/reference/speculative-and-quantization-formats.md §A2–A4 and §A8 (SpecForge /
-vLLM speculators practice):
+Mirrors docs/speculative-decoding.md and docs/formats/eagle3.md (SpecForge / vLLM speculators practice):
 - the draft (models/eagle3.py) reads three target features (layers `aux_layer_ids`, recorded by the
   traces stage) fused by `fc`, has one decoder layer over [embedding ; fused], the target's frozen
   embeddings, and a pruned vocabulary: the `draft_vocab_size` target tokens most frequent in the
   traces' answers (`d2t`/`t2d`);
 - it trains with the training-time-test unroll (`ttt_steps` steps weighted `ttt_decay`^k) on the
   forward KL to the target's distribution over the draft vocabulary, through the shared training loop
-  (tasks/train.py: mesh, checkpoints, NaN guard, metrics) with only the draft's parameters trainable;
+  (tasks/training/: mesh, checkpoints, NaN guard, metrics) with only the draft's parameters trainable;
 - target features come from the traces' stored hidden states (offline) or, when the traces were
   written `hidden_states: online`, from the frozen target run inside the same jitted step;
 - `init` (the current draft, for a refresh) warm-starts the weights and keeps its vocabulary.
@@ -135,7 +134,7 @@ def _eval_fn(trainee: Eagle3Trainee, batch: dict[str, jax.Array]) -> tuple[jax.A
 
 def step_accuracy(trainee: Eagle3Trainee, loader: PackedBatches, batches: int) -> list[float]:
     """Per-TTT-step top-1 agreement with the target on held-out trace rows (conditional acceptance
-    proxies, §A3: acc_k is not τ)."""
+    proxies; acc_k is not τ, docs/speculative-decoding.md)."""
     graphdef, state = nnx.split(trainee)
 
     @jax.jit

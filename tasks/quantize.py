@@ -6,7 +6,7 @@ release's own data, written in the formats serving engines load.
 Each scheme (models/quant.py: int8, w4a16/w8a16 by RTN / GPTQ / AWQ, symmetric or asymmetric, any group
 size; fp8-block) quantizes a fresh copy of the model, calibrated on `calibration.samples` packed rows of
 the data artifact's train split — the fine-tuning data, rendered with the chat template by data_prep
-(speculative-and-quantization-formats.md §B7: SFT models are calibrated on their own template). Every
+(docs/quantization.md: SFT models are calibrated on their own template). Every
 scheme is written as an HF checkpoint under `<scheme>/`: compressed-tensors `pack-quantized` (int) or
 `float-quantized` (FP8 blocks) with the `quantization_config` transformers and vLLM read; fp8-block also
 in DeepSeek's own layout (`weight_scale_inv`) under `<scheme>/deepseek/`. Next to the weights:

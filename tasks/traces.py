@@ -1,7 +1,7 @@
 """Stage `traces`: the fine-tuned target regenerates answers for prompts; its own outputs and, in
 offline mode, its hidden states become the EAGLE-3 draft's training data
-(speculative-and-quantization-formats.md §A5: regenerate with the target, at the serving temperature;
-§A6: online vs offline hidden states and what they cost; §A2: the aux layers the features come from).
+(docs/speculative-decoding.md: regenerate with the target, at the serving temperature; online vs
+offline hidden states and what they cost; the aux layers the features come from).
 
     python -m tasks.traces --model DIR --data DIR --out DIR [--set num_prompts=128 hidden_states=online ...]
 

@@ -61,7 +61,7 @@ DEFAULT_CHAT_TEMPLATE = r"""{{- bos_token -}}
     {{- '<|assistant|>\n' -}}
 {%- endif -%}"""
 
-DEFAULT_WHERE = "the default chat template (tasks/chat.py DEFAULT_CHAT_TEMPLATE)"
+DEFAULT_WHERE = "the default chat template (tasks/data/chat.py DEFAULT_CHAT_TEMPLATE)"
 
 # tokenizer_config.json keys transformers passes to templates (PreTrainedTokenizerBase.special_tokens_map)
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")

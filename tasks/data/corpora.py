@@ -8,7 +8,7 @@ A `Document` is `(group, prompt, completion, history)`:
 - otherwise `prompt` is context (no loss) and `completion` is trained on; `history` holds the earlier
   `(prompt, completion)` exchanges of a multi-turn chat, whose completions are trained on too.
 - `messages` is set for chat documents only: the conversation itself (`[{role, content}, ...]`), which
-  data_prep renders with the tokenizer's chat template (tasks/chat.py). Their prompt/completion/history
+  data_prep renders with the tokenizer's chat template (tasks/data/chat.py). Their prompt/completion/history
   are the default template's rendering of it without bos/eos (kept for readers of `Document`s and
   for the tokenizer-training text).
 
@@ -43,7 +43,7 @@ from typing import NamedTuple
 log = logging.getLogger(__name__)
 
 # Markers of the default chat template (special tokens of the tokenizer data_prep trains; the template
-# itself is tasks/chat.py DEFAULT_CHAT_TEMPLATE). An exchange renders as "<|user|>\n{system/user
+# itself is tasks/data/chat.py DEFAULT_CHAT_TEMPLATE). An exchange renders as "<|user|>\n{system/user
 # messages, blank-line separated}\n<|assistant|>\n" (context) + "{assistant}" (trained) + eos.
 USER = "<|user|>"
 ASSISTANT = "<|assistant|>"

@@ -21,7 +21,7 @@ log = logging.getLogger("forgeline.train")
 class Checkpoints:
     """Orbax checkpoints saved asynchronously to local disk, then uploaded to
     `<store>/checkpoints/<name>/<step>/`, then committed by rewriting `latest.json` (one object).
-    Orbax cannot write s3:// itself (prefect-practice.md §12.8), and S3 has no atomic rename, hence
+    Orbax cannot write s3:// itself (docs/orchestration.md, training checkpoints), and S3 has no atomic rename, hence
     this order; a kill at any moment leaves either the previous or the new checkpoint committed.
     The last `keep` checkpoints are kept, locally and in the store. Multi-host: every process saves
     its shards into `local_dir`, which must be one folder shared by all hosts (orbax's requirement:

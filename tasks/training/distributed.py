@@ -5,7 +5,7 @@
 `initialize_from_env()` calls `jax.distributed.initialize` with the coordinator address, process
 count and process id taken from those variables (jax itself reads only the address; the other two
 must be passed), then every process sees all devices of the job in `jax.devices()` and the trainer's
-mesh spans them; each process reads only the batch rows of its own devices (tasks/train.py). Without
+mesh spans them; each process reads only the batch rows of its own devices (tasks/training/). Without
 the variables it does nothing (one process). On CPU, the cross-process collectives are gloo's (TCP).
 `JAX_NUM_CPU_DEVICES` sets how many CPU devices each process exposes.
 

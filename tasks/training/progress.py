@@ -47,7 +47,7 @@ class StepMetrics:
 
 class ProgressBar:
     """A rich progress bar on stderr: step/total, loss, tokens/s and ETA. Does nothing when stderr is not
-    a terminal (log lines carry the same numbers there). Usable as tasks.train's `progress` callback:
+    a terminal (log lines carry the same numbers there). Usable as tasks.training.loop.fit's `progress` callback:
     `bar(step, total, metrics)`."""
 
     def __init__(self, total: int, label: str = "train", *, enabled: bool | None = None):

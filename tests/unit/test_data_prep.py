@@ -1,4 +1,4 @@
-"""tasks/data_prep.py and tasks/corpora.py: packing invariants, round trips, split, streaming, readers, errors."""
+"""tasks/data_prep.py and tasks/data/corpora.py: packing invariants, round trips, split, streaming, readers, errors."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""tasks/metrics.py: TensorBoard event files read back by tensorboard's own reader (values, steps, tags,
-CRCs), PaLM model FLOPs per token against counts taken from built models of every family (active experts
-only), StepMetrics' arithmetic, the measured matmul peak and the progress bar."""
+"""tasks/training/ (tensorboard, flops, progress): TensorBoard event files read back by tensorboard's own
+reader (values, steps, tags, CRCs), PaLM model FLOPs per token against counts taken from built models of
+every family (active experts only), StepMetrics' arithmetic, the measured matmul peak and the progress bar."""
 
 from __future__ import annotations
 

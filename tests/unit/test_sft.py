@@ -1,4 +1,4 @@
-"""SFT data (tasks/chat.py through tasks/data_prep.py): chat templates as transformers renders them,
+"""SFT data (tasks/data/chat.py through tasks/data_prep.py): chat templates as transformers renders them,
 loss on the assistant turns only (checked against transformers' own `{% generation %}` assistant mask),
 the default template, template errors, and packing parity -- a packed row's loss equals the sum of its
 documents' losses computed one at a time without packing, so attention never crosses documents."""
