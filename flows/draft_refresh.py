@@ -18,9 +18,10 @@ from prefect.artifacts import create_markdown_artifact
 
 import storage
 from flows.release import DEFAULT_STORE
-from flows.stages import run_stage
+from flows.stages import submit
 from storage import ArtifactRef, Store
-from tasks.evaluate import EvalConfig, Gates, load_report
+from tasks.configs import EvalConfig, Gates
+from tasks.evaluate import load_report
 from tasks.recipe import load_release
 
 
@@ -43,14 +44,14 @@ def draft_refresh(recipe: str = "tiny", overrides: list[str] | None = None, stor
     st = Store(store)
     refs = _release_refs(st, cfg.name)
     finetuned = refs["finetune"]
-    served = finetuned if cfg.serve == "finetuned" else refs["quant"]  # what the release serves
+    served = cfg.served_model(finetuned, refs.get("quant"))  # what the release serves
     current = st.read_pointer(f"drafts/{cfg.name}") or refs["draft"]
     r = cfg.refresh
-    data = run_stage("data_prep[fresh]", "data_prep", r.data, {"tokenizer": finetuned}, store)
-    tr = run_stage("traces[fresh]", "traces", r.traces.model_copy(update={"target": cfg.serve}),
-                   {"model": served, "data": data}, store)
-    candidate = run_stage("draft[candidate]", "draft", r.draft.model_copy(update={"target": cfg.serve}),
-                          {"target": served, "traces": tr, "init": current}, store)
+    data = submit("data_prep[fresh]", "data_prep", r.data, {"tokenizer": finetuned}, store)
+    traces = submit("traces[fresh]", "traces", r.traces.model_copy(update={"target": cfg.serve}),
+                    {"model": served, "data": data}, store)
+    candidate = submit("draft[candidate]", "draft", r.draft.model_copy(update={"target": cfg.serve}),
+                       {"target": served, "traces": traces, "init": current}, store)
     # Draft-only evaluation at temperature 0 (the promotion criterion), against the served model, on the
     # fresh data's held-out prompts; no base. Its one gate is losslessness; promotion compares the two
     # drafts' acceptance below (the release's quality gates judged the served model already).
@@ -59,7 +60,7 @@ def draft_refresh(recipe: str = "tiny", overrides: list[str] | None = None, stor
                            "gates": Gates(finetune_improves=False, min_acceptance_length=0.0,
                                           max_quant_ppl_increase=1e9)})
     ev_inputs = {"finetune": finetuned, "data": data} | ({"quant": refs["quant"]} if cfg.serve != "finetuned" else {})
-    evals = {name: run_stage(f"evaluate[{name}]", "evaluate", ev_cfg, ev_inputs | {"draft": d}, store)
+    evals = {name: submit(f"evaluate[{name}]", "evaluate", ev_cfg, ev_inputs | {"draft": d}, store)
              for name, d in (("current", current), ("candidate", candidate))}
     reports = {k: load_report(lambda name, v=v: storage.read_bytes(v.file(name))) for k, v in evals.items()}
     acc = {k: rep["draft"]["acceptance_length"] for k, rep in reports.items()}

@@ -21,10 +21,10 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 import storage
-from flows.stages import run_stage
+from flows.stages import submit
 from storage import ArtifactRef, Store
+from tasks.configs import ExportConfig
 from tasks.evaluate import load_report
-from tasks.export import ExportConfig
 from tasks.recipe import ReleaseConfig, load_release
 
 DEFAULT_STORE = "file://./artifacts"
@@ -34,9 +34,9 @@ def base_stage(cfg: ReleaseConfig, store: str) -> ArtifactRef:
     """Import `base.url`, or pretrain a base on the base corpus (the demo default)."""
     if cfg.base.url is not None:
         # The listing (names, sizes, etags/mtimes) joins the fingerprint: a changed checkpoint re-imports.
-        return run_stage("base", "base", cfg.base, {}, store, salt={"listing": storage.listing_signature(cfg.base.url)})
-    pre = run_stage("data_prep[base]", "data_prep", cfg.base.data, {}, store)
-    return run_stage("base", "base", cfg.base, {"data": pre}, store)
+        return submit("base", "base", cfg.base, {}, store, salt={"listing": storage.listing_signature(cfg.base.url)})
+    corpus = submit("data_prep[base]", "data_prep", cfg.base.data, {}, store)
+    return submit("base", "base", cfg.base, {"data": corpus}, store)
 
 
 def publish_report(cfg: ReleaseConfig, evaluation: ArtifactRef) -> dict[str, Any]:
@@ -66,19 +66,19 @@ def release(recipe: str = "tiny", overrides: list[str] | None = None, store: str
     store = storage.normalize_url(store)
     st = Store(store)
     base = base_stage(cfg, store)
-    data = run_stage("data_prep", "data_prep", cfg.data, {"tokenizer": base}, store)
-    ft = run_stage("finetune", "finetune", cfg.finetune, {"base": base, "data": data}, store)
-    qu = run_stage("quantize", "quantize", cfg.quantize, {"model": ft, "data": data}, store)
-    served = ft if cfg.serve == "finetuned" else qu  # the draft learns the model that will actually serve
-    tr = run_stage("traces", "traces", cfg.served("traces"), {"model": served, "data": data}, store)
-    dr = run_stage("draft", "draft", cfg.served("draft"), {"target": served, "traces": tr}, store)
-    ev = run_stage("evaluate", "evaluate", cfg.served("evaluate"),
-                   {"base": base, "finetune": ft, "data": data, "draft": dr, "quant": qu}, store)
-    report = publish_report(cfg, ev)
+    data = submit("data_prep", "data_prep", cfg.data, {"tokenizer": base}, store)
+    finetuned = submit("finetune", "finetune", cfg.finetune, {"base": base, "data": data}, store)
+    quantized = submit("quantize", "quantize", cfg.quantize, {"model": finetuned, "data": data}, store)
+    served = cfg.served_model(finetuned, quantized)  # the draft learns the model that will actually serve
+    traces = submit("traces", "traces", cfg.served("traces"), {"model": served, "data": data}, store)
+    draft = submit("draft", "draft", cfg.served("draft"), {"target": served, "traces": traces}, store)
+    evaluation = submit("evaluate", "evaluate", cfg.served("evaluate"),
+                        {"base": base, "finetune": finetuned, "data": data, "draft": draft, "quant": quantized}, store)
+    report = publish_report(cfg, evaluation)
     export_cfg = ExportConfig(name=cfg.name, recipe=cfg.model_dump(mode="json"))
-    bundle = run_stage("export", "export", export_cfg,
-                       {"base": base, "data": data, "finetune": ft, "traces": tr, "draft": dr, "quant": qu,
-                        "evaluate": ev}, store)
+    bundle = submit("export", "export", export_cfg,
+                    {"base": base, "data": data, "finetune": finetuned, "traces": traces, "draft": draft,
+                     "quant": quantized, "evaluate": evaluation}, store)
     if report["passed_as_declared"]:
         st.write_pointer(f"releases/{cfg.name}", bundle)
     else:

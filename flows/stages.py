@@ -44,18 +44,14 @@ class StageEvent:
 LISTENERS: list[Callable[[StageEvent], None]] = []
 
 
-def _fingerprint(kind: str, config: Mapping[str, Any], inputs: Mapping[str, dict], salt: Mapping | None) -> str:
-    return registry.fingerprint(kind, config, {k: ArtifactRef.from_dict(v) for k, v in inputs.items()}, salt)
-
-
 def cache_key(context: TaskRunContext, parameters: dict[str, Any]) -> str:
     """`<kind>-<fingerprint>-<hash of (artifact URL, manifest digest)>` while the artifact is committed.
 
     The fingerprint alone is not enough: the same stage committed to another store, or deleted and
     committed again here (a new manifest digest), must not be answered with the old reference.
     """
-    kind = parameters["kind"]
-    fp = _fingerprint(kind, parameters["config"], parameters["inputs"], parameters.get("salt"))
+    kind, refs = parameters["kind"], {k: ArtifactRef.from_dict(v) for k, v in parameters["inputs"].items()}
+    fp = registry.fingerprint(kind, parameters["config"], refs, parameters.get("salt"))
     ref = Store(parameters["store"]).lookup(kind, fp)
     if ref is None:
         return f"{kind}-{fp}-pending-{uuid.uuid4().hex}"  # not committed: never a cache hit
@@ -86,10 +82,13 @@ def _retryable(task, task_run, state) -> bool:
 
 
 def _progress_reporter(name: str) -> Callable[[int, int, dict[str, float]], None]:
-    artifact_id = create_progress_artifact(0.0, description=f"{name}: training progress")
+    """A progress artifact in the UI, created at the first report: only for work that actually happens."""
+    artifact_id: list = []
     last = [0.0]
 
     def report(step: int, total: int, metrics: dict[str, float]) -> None:
+        if not artifact_id:
+            artifact_id.append(create_progress_artifact(0.0, description=f"{name}: training progress"))
         now = time.monotonic()
         if now - last[0] > 2.0 or step == total:  # a few UI updates per second at most
             parts = [f"loss {metrics['loss']:.3f}"]
@@ -99,7 +98,7 @@ def _progress_reporter(name: str) -> Callable[[int, int, dict[str, float]], None
                 parts.append(f"{metrics['tokens_per_s']:.0f} tok/s")
             if "mfu" in metrics:
                 parts.append(f"MFU {metrics['mfu']:.1%}")
-            update_progress_artifact(artifact_id, 100.0 * step / total,
+            update_progress_artifact(artifact_id[0], 100.0 * step / total,
                                      description=f"{name}: step {step}/{total} " + ", ".join(parts))
             last[0] = now
 
@@ -117,17 +116,17 @@ def _progress_reporter(name: str) -> Callable[[int, int, dict[str, float]], None
     retry_jitter_factor=0.5,
     retry_condition_fn=_retryable,
 )
-def stage(name: str, kind: str, config: dict[str, Any], inputs: dict[str, dict], store: str,
-          salt: dict[str, Any] | None = None) -> dict[str, Any]:
+def stage_task(name: str, kind: str, config: dict[str, Any], inputs: dict[str, dict], store: str,
+               salt: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One registered stage (tasks/registry.py) in the commit protocol; returns its reference as JSON.
+    The config arrives as JSON (a Prefect parameter) and is validated once, here."""
     t0 = time.perf_counter()
-    st = Store(store)
+    spec = registry.stage(kind)
     refs = {k: ArtifactRef.from_dict(v) for k, v in inputs.items()}
-    ref = st.lookup(kind, _fingerprint(kind, config, inputs, salt))
     computed: list[bool] = []  # set when this process computes the stage (not when it waits for another)
-    if ref is None:  # a progress bar only for work that will actually happen
-        progress = _progress_reporter(name) if kind in ("base", "finetune", "draft") else None
-        ref = registry.run(st, kind, config, refs, salt=salt, progress=progress,
-                           on_compute=lambda: computed.append(True))
+    ref = registry.run_stage(Store(store), kind, spec.parse(config), refs, salt=salt,
+                             progress=_progress_reporter(name) if spec.trains else None,
+                             on_compute=lambda: computed.append(True))
     _announce(StageEvent(name, kind, ref, bool(computed), time.perf_counter() - t0))
     return ref.to_dict()
 
@@ -137,12 +136,13 @@ def _announce(event: StageEvent) -> None:
         fn(event)
 
 
-def run_stage(name: str, kind: str, config: Any, inputs: Mapping[str, ArtifactRef], store: str,
-              salt: Mapping[str, Any] | None = None) -> ArtifactRef:
-    """Call the Prefect task; a cache hit (the task body never ran) is announced as skipped here."""
+def submit(name: str, kind: str, config: Any, inputs: Mapping[str, ArtifactRef], store: str,
+           salt: Mapping[str, Any] | None = None) -> ArtifactRef:
+    """Run stage `kind` as the Prefect task named `name`; a cache hit (the task body never ran) is announced
+    as skipped here."""
     cfg = config.model_dump(mode="json") if hasattr(config, "model_dump") else dict(config)
     t0 = time.perf_counter()
-    state = stage(name, kind, cfg, {k: v.to_dict() for k, v in inputs.items()}, store,
+    state = stage_task(name, kind, cfg, {k: v.to_dict() for k, v in inputs.items()}, store,
                   dict(salt) if salt else None, return_state=True)
     ref = ArtifactRef.from_dict(state.result())
     if state.name == "Cached":

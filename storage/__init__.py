@@ -7,7 +7,6 @@ from storage.artifacts import (
     ArtifactRef,
     IntegrityError,
     Store,
-    code_version,
     content_digest,
     fingerprint,
     git_sha,
@@ -41,7 +40,7 @@ from storage.leases import Lease, LeaseLost
 
 __all__ = [
     "ArtifactError", "ArtifactRef", "IntegrityError", "Lease", "LeaseLost", "MANIFEST", "StorageKeyError", "Store",
-    "StoreUnavailable", "check_key", "check_store", "code_version", "content_digest", "create_bytes",
+    "StoreUnavailable", "check_key", "check_store", "content_digest", "create_bytes",
     "download_dir", "download_file", "exists", "fingerprint", "git_sha", "is_dir", "join", "list_files",
     "listing_signature", "local_file", "local_path", "normalize_url", "open_url", "read_bytes", "rm", "scheme_of",
     "sha256_file", "upload_dir", "upload_file", "write_bytes",

@@ -34,7 +34,6 @@ import logging
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
@@ -49,7 +48,6 @@ log = logging.getLogger("forgeline.storage")
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 2
-_CODE_PACKAGES = ("models", "tasks", "storage")
 
 
 class ArtifactError(RuntimeError):
@@ -125,22 +123,6 @@ def _check_manifest(m: Any, where: str) -> dict[str, Any]:
 
 
 @cache
-def code_version() -> str:
-    """sha256 over the source of the packages that produce artifacts (models, tasks, storage).
-
-    Hashing the source rather than a git SHA makes an installed copy, a dirty checkout and a
-    clean clone of the same code agree, and makes edits to flows/ or tests/ not invalidate caches.
-    """
-    root = Path(__file__).resolve().parent.parent
-    h = hashlib.sha256(f"python{sys.version_info[0]}.{sys.version_info[1]}".encode())  # builtin corpora vary
-    for pkg in _CODE_PACKAGES:
-        for path in sorted((root / pkg).rglob("*.py")):
-            h.update(path.relative_to(root).as_posix().encode())
-            h.update(path.read_bytes())
-    return h.hexdigest()[:16]
-
-
-@cache
 def git_sha() -> str | None:
     root = Path(__file__).resolve().parent.parent
     try:
@@ -152,11 +134,11 @@ def git_sha() -> str | None:
     return out.stdout.strip() or None if out.returncode == 0 else None
 
 
-def fingerprint(kind: str, config: dict[str, Any], inputs: Iterable[ArtifactRef | str]) -> str:
-    """The stage's address: equal fingerprint <=> same stage, config, code and input content."""
+def fingerprint(kind: str, config: dict[str, Any], inputs: Iterable[ArtifactRef | str], code: str = "") -> str:
+    """An artifact's address: equal fingerprint <=> same kind, config, input content and `code` (the version
+    of the code that computes it, as the caller defines it: tasks/code.py for the stages)."""
     digests = sorted(i.digest if isinstance(i, ArtifactRef) else str(i) for i in inputs)
-    payload = {"kind": kind, "config": config, "inputs": digests, "code": code_version(),
-               "format": FORMAT_VERSION}
+    payload = {"kind": kind, "config": config, "inputs": digests, "code": code, "format": FORMAT_VERSION}
     return hashlib.sha256(canonical_json(payload).encode()).hexdigest()[:20]
 
 
@@ -319,6 +301,8 @@ class Store:
         metadata: dict[str, Any] | None = None,
         volatile: Iterable[str] = (),
         fence: Callable[[], None] | None = None,
+        code_version: str = "",
+        source_version: str | None = None,
     ) -> ArtifactRef:
         """Upload `local_dir` to `<kind>/<fp>/` and write the manifest last. Returns the new ref.
 
@@ -352,7 +336,8 @@ class Store:
             "volatile": measured,
             "config": config,
             "inputs": [{"kind": i.kind, "url": i.url, "digest": i.digest} for i in inputs],
-            "code_version": code_version(),
+            "code_version": code_version,  # of the code that computed it (part of the digest)
+            "source_version": source_version,  # of the whole tree that ran it (recorded only)
             "git_sha": git_sha(),
             "created_at": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
             "metadata": metadata or {},

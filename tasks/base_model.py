@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -111,18 +112,20 @@ def _check_import(url: str, local: Path) -> dict[str, Any]:
     return {"source": url, "params": int(n_params)}
 
 
-def compute(cfg: BaseModelConfig, progress: Progress | None = None):
-    def _compute(ctx: StageContext) -> dict[str, Any]:
-        if cfg.url is not None:
-            return import_checkpoint(cfg.url, ctx.out_dir)
-        ckpt = Checkpoints(ctx.checkpoint_dir, ctx.store,
-                           f"{ctx.kind}/{ctx.fingerprint}", keep=cfg.train.keep_checkpoints)
-        try:
-            return pretrain(cfg, ctx.inputs["data"], ctx.out_dir, checkpoints=ckpt, progress=progress)
-        finally:
+def run(config: BaseModelConfig, inputs: Mapping[str, Path], output: Path, *, progress: Progress | None = None,
+        context: StageContext | None = None) -> dict[str, Any]:
+    """The stage: import `config.url`, or pretrain on input `data` (resuming from the store's checkpoints
+    when run with a `context`)."""
+    if config.url is not None:
+        return import_checkpoint(config.url, output)
+    if "data" not in inputs:
+        raise ValueError("base: pretraining needs a `data` input (or set base.url to import a checkpoint)")
+    ckpt = context.checkpoints(config.train.keep_checkpoints) if context is not None else None
+    try:
+        return pretrain(config, inputs["data"], output, checkpoints=ckpt, progress=progress)
+    finally:
+        if ckpt is not None:
             ckpt.close()
-
-    return _compute
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -51,7 +51,8 @@ def stage_main(doc: str, config_cls: type[BaseModel], args: dict[str, dict[str, 
     p = argparse.ArgumentParser(description=doc.strip().splitlines()[0])
     for flag, kwargs in {**args, "--out": PATH}.items():
         p.add_argument(flag, **kwargs)
-    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="override a config key")
+    p.add_argument("--set", action="extend", nargs="+", default=[], metavar="KEY=VALUE",
+                   help="override a config key (repeatable; values are YAML, as in `forgeline release --set`)")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", force=True)
     for noisy in ("jax", "absl", "orbax"):

@@ -50,29 +50,30 @@ rows plus one shard of finished rows are held per split, and shards are written 
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import itertools
 import json
 import logging
 import random
 import shutil
-import sys
 import tempfile
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-from pydantic import ValidationError
 
+from tasks.cli import stage_main
 from tasks.configs import DataPrepConfig
 from tasks.data import chat, corpora
 from tasks.data.corpora import SPECIAL_TOKENS, Document
 from tasks.data.rows import PROMPT_SCHEMA, ROW_SCHEMA, SPLITS, rows_table
 from tasks.data.tokens import find_special_tokens
+from tasks.layout import model_dir
+from tasks.recipe import validate
 
 log = logging.getLogger(__name__)
 
@@ -546,53 +547,25 @@ def run_local(cfg: DataPrepConfig, out_dir: Path, *, tokenizer_json: Path | str 
     return prepare(source, cfg, out_dir, tokenizer_json=tokenizer_json)
 
 
-# ----------------------------------------------------------------------------------------------
-# CLI
+def run(config: DataPrepConfig, inputs: Mapping[str, Path], output: Path, *, progress: Any = None,
+        context: Any = None) -> dict:
+    """The stage: optional input `tokenizer` (a checkpoint artifact whose tokenizer.json the data must use;
+    without it a tokenizer is trained on the corpus)."""
+    tok = inputs.get("tokenizer")
+    return run_local(config, output, tokenizer_json=model_dir(tok) / "tokenizer.json" if tok is not None else None)
 
 
-def _parse_value(text: str):
-    try:
-        return json.loads(text)
-    except ValueError:
-        return text
+def main(argv: list[str] | None = None) -> None:
+    def one(cfg: DataPrepConfig, a) -> dict:
+        if a.corpus is not None:  # a shorthand for --set corpus=..., taken as written (never parsed as YAML)
+            cfg = validate(DataPrepConfig, {**cfg.model_dump(mode="json"), "corpus": a.corpus}, "--corpus")
+        return run_local(cfg, a.out, tokenizer_json=a.tokenizer)
 
-
-def config_error_lines(e: ValidationError) -> list[str]:
-    return [f"config: {'.'.join(str(x) for x in err['loc']) or '<root>'}: {err['msg']}" for err in e.errors()]
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m tasks.data_prep", description=__doc__.split("\n")[0])
-    ap.add_argument("--corpus", help="URL, path, glob or builtin://NAME (default: builtin://python-stdlib)")
-    ap.add_argument("--out", required=True, type=Path, help="local output folder")
-    ap.add_argument("--tokenizer", help="a base checkpoint's tokenizer.json (or its folder) to use as is")
-    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
-    args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s", stream=sys.stderr)
-
-    values: dict = {}
-    if args.corpus is not None:
-        values["corpus"] = args.corpus
-    for item in args.set:
-        key, sep, value = item.partition("=")
-        if not sep:
-            ap.error(f"--set {item!r}: expected KEY=VALUE")
-        key = key.strip()
-        field = DataPrepConfig.model_fields.get(key)
-        values[key] = value if field is not None and field.annotation is str else _parse_value(value)
-    try:
-        cfg = DataPrepConfig(**values)
-    except ValidationError as e:
-        print("\n".join(config_error_lines(e)), file=sys.stderr)
-        return 2
-    try:
-        stats = run_local(cfg, args.out, tokenizer_json=args.tokenizer)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    print(json.dumps(stats, indent=2))
-    return 0
+    stage_main(__doc__, DataPrepConfig, {
+        "--corpus": {"help": "URL, path, glob or builtin://NAME (default: builtin://python-stdlib)"},
+        "--tokenizer": {"help": "a base checkpoint's tokenizer.json (or its folder) to use as is"},
+    }, one, argv)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -213,20 +214,17 @@ def train_draft(cfg: DraftConfig, target_dir: Path, traces_dir: Path, out_dir: P
     return {**metrics, **{k: v for k, v in summary.items() if k != "layouts"}}
 
 
-def compute(cfg: DraftConfig, progress: Progress | None = None, init_input: str | None = None):
-    """Inputs `target` (finetune artifact or a model folder), `traces`, optionally `init_input` (a previous draft)."""
-
-    def _compute(ctx: StageContext) -> dict[str, Any]:
-        init = ctx.inputs[init_input] if init_input and init_input in ctx.inputs else None
-        ckpt = Checkpoints(ctx.checkpoint_dir, ctx.store,
-                           f"{ctx.kind}/{ctx.fingerprint}", keep=cfg.train.keep_checkpoints)
-        try:
-            return train_draft(cfg, model_dir(ctx.inputs["target"], cfg.target), ctx.inputs["traces"], ctx.out_dir,
-                               progress=progress, init_dir=init, checkpoints=ckpt)
-        finally:
+def run(config: DraftConfig, inputs: Mapping[str, Path], output: Path, *, progress: Progress | None = None,
+        context: StageContext | None = None) -> dict[str, Any]:
+    """The stage: inputs `target` (finetune artifact or a model folder; `config.target` names the served
+    variant), `traces`, optionally `init` (a previous draft to warm-start from)."""
+    ckpt = context.checkpoints(config.train.keep_checkpoints) if context is not None else None
+    try:
+        return train_draft(config, model_dir(inputs["target"], config.target), inputs["traces"], output,
+                           progress=progress, init_dir=inputs.get("init"), checkpoints=ckpt)
+    finally:
+        if ckpt is not None:
             ckpt.close()
-
-    return _compute
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -26,7 +26,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +45,7 @@ from tasks.cli import OPTIONAL_PATH, PATH, stage_main
 from tasks.configs import EvalConfig, Gates
 from tasks.layout import draft_dir, model_dir
 from tasks.stage import StageContext, read_report, write_report
+from tasks.training.config import Progress
 from tasks.training.data import PackedBatches
 
 log = logging.getLogger("forgeline.evaluate")
@@ -332,18 +333,16 @@ def load_report(read: Callable[[str], bytes]) -> dict[str, Any]:
     return read_report(read, "report.json")
 
 
-def compute(cfg: EvalConfig):
-    """Inputs: `base`, `finetune`, `data`, optional `draft`, and `quant` (one artifact, a folder per scheme)."""
-
-    def _compute(ctx: StageContext) -> dict[str, Any]:
-        quant = ctx.inputs.get("quant")
-        schemes = {p.name: p for p in sorted(quant.iterdir()) if (p / "config.json").exists()} if quant else {}
-        return evaluate(cfg, base=model_dir(ctx.inputs["base"]) if "base" in ctx.inputs else None,
-                        finetuned=model_dir(ctx.inputs["finetune"]), quantized=schemes,
-                        draft=draft_dir(ctx.inputs["draft"]) if "draft" in ctx.inputs else None,
-                        data_dir=ctx.inputs["data"], out_dir=ctx.out_dir)
-
-    return _compute
+def run(config: EvalConfig, inputs: Mapping[str, Path], output: Path, *, progress: Progress | None = None,
+        context: StageContext | None = None) -> dict[str, Any]:
+    """The stage: inputs `finetune`, `data`, and optionally `base`, `draft` and `quant` (one artifact, a
+    folder per scheme)."""
+    quant = inputs.get("quant")
+    schemes = {p.name: p for p in sorted(quant.iterdir()) if (p / "config.json").exists()} if quant else {}
+    return evaluate(config, base=model_dir(inputs["base"]) if "base" in inputs else None,
+                    finetuned=model_dir(inputs["finetune"]), quantized=schemes,
+                    draft=draft_dir(inputs["draft"]) if "draft" in inputs else None,
+                    data_dir=inputs["data"], out_dir=output)
 
 
 def main(argv: list[str] | None = None) -> None:

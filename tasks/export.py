@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from storage import code_version, git_sha
+from storage import git_sha
+from tasks.code import source_version
 from tasks.configs import ExportConfig
 from tasks.stage import StageContext
 
@@ -75,10 +77,14 @@ def model_card(cfg: ExportConfig, report_md: str, lineage: dict[str, Any], has_a
     return "\n".join(lines) + "\n"
 
 
-def export(cfg: ExportConfig, ctx: StageContext) -> dict[str, Any]:
+def run(config: ExportConfig, inputs: Mapping[str, Path], output: Path, *, progress: Any = None,
+        context: StageContext | None = None) -> dict[str, Any]:
     """The bundle, when the gates in force passed (GateError otherwise). Lineage names every input by its
-    key in the store (not its URL), so a bundle reads the same wherever its store is."""
-    out, inp = ctx.out_dir, ctx.inputs
+    key in the store (not its URL), so a bundle reads the same wherever its store is: the stage runs only
+    inside the commit protocol (`context`), which knows the inputs' manifests."""
+    if context is None:
+        raise ValueError("export: runs inside a release (it records its inputs' manifests in lineage.json)")
+    cfg, ctx, out, inp = config, context, output, inputs
     report = json.loads((inp["evaluate"] / "report.json").read_text())
     failed = [g["gate"] for g in report["gates"] if not g["passed"]]
     if failed and cfg.enforce_gates:
@@ -94,7 +100,7 @@ def export(cfg: ExportConfig, ctx: StageContext) -> dict[str, Any]:
         _copytree(inp["quant"] / s, out / "quantized" / s)
     _copytree(inp["evaluate"], out / "eval")
     lineage = {
-        "name": cfg.name, "recipe": cfg.recipe, "git_sha": git_sha(), "code_version": code_version(),
+        "name": cfg.name, "recipe": cfg.recipe, "git_sha": git_sha(), "code_version": source_version(),
         "stages": {k: {"kind": r.kind, "fingerprint": r.fingerprint, "digest": r.digest,
                        "key": ctx.store.key_of(r.url) if ctx.store is not None else r.url}
                    for k, r in ctx.refs.items()},
@@ -108,7 +114,3 @@ def export(cfg: ExportConfig, ctx: StageContext) -> dict[str, Any]:
     return {"name": cfg.name, "gates_passed": not failed, "waivers": len(lineage["waivers"]),
             "schemes": schemes, "adapter": has_adapter,
             "stages": {k: v["fingerprint"] for k, v in lineage["stages"].items()}}
-
-
-def compute(cfg: ExportConfig):
-    return lambda ctx: export(cfg, ctx)

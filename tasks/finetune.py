@@ -11,6 +11,7 @@ checkpoint under `<store>/checkpoints/finetune/<fingerprint>/` after a crash or 
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,6 @@ import jax.numpy as jnp
 from flax import nnx
 
 import models
-import storage
 from models import lora
 from storage import Store
 from tasks.cli import OPTIONAL_PATH, PATH, stage_main
@@ -64,25 +64,20 @@ def finetune(
     return {**metrics, "mode": cfg.mode, "trainable_params": int(n_trainable)}
 
 
-def compute(cfg: FinetuneConfig, progress: Progress | None = None):
-    """The stage body for `tasks.stage.run_stage`: inputs `base` and `data`."""
-
-    def _compute(ctx: StageContext) -> dict[str, Any]:
-        ckpt = Checkpoints(ctx.checkpoint_dir, ctx.store,
-                           f"{ctx.kind}/{ctx.fingerprint}", keep=cfg.train.keep_checkpoints)
-        base = model_dir(ctx.inputs["base"])
-        # the adapter names the base checkpoint by its key in the store (the HF folder inside the artifact),
-        # not its URL: the same bytes wherever the store lives
-        sub = base.relative_to(ctx.inputs["base"]).as_posix()
-        base_url = ctx.refs["base"].url if sub == "." else storage.join(ctx.refs["base"].url, sub)
-        base_url = ctx.store.key_of(base_url)
-        try:
-            return finetune(cfg, base, ctx.inputs["data"], ctx.out_dir, checkpoints=ckpt, progress=progress,
-                            base_name=base_url)
-        finally:
-            ckpt.close()
-
-    return _compute
+def run(config: FinetuneConfig, inputs: Mapping[str, Path], output: Path, *, progress: Progress | None = None,
+        context: StageContext | None = None) -> dict[str, Any]:
+    """The stage: inputs `base` (a checkpoint artifact or HF folder) and `data`. With a `context`, training
+    resumes from the store's checkpoints and the adapter names its base by the base's key in the store (the
+    HF folder inside the artifact), not its URL: the same bytes wherever the store lives."""
+    base = model_dir(inputs["base"])
+    if context is None:
+        return finetune(config, base, inputs["data"], output, progress=progress, base_name=str(base.resolve()))
+    ckpt = context.checkpoints(config.train.keep_checkpoints)
+    try:
+        return finetune(config, base, inputs["data"], output, checkpoints=ckpt, progress=progress,
+                        base_name=context.key_of("base", base.relative_to(inputs["base"]).as_posix()))
+    finally:
+        ckpt.close()
 
 
 def main(argv: list[str] | None = None) -> None:

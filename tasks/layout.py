@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from flax import nnx
-
-import models
+if TYPE_CHECKING:
+    from flax import nnx
 
 TOKENIZER_FILES = ("tokenizer.json", "special_tokens.json", "tokenizer_config.json")  # travel with every checkpoint
 
@@ -51,6 +51,8 @@ def draft_dir(path: Path) -> Path:
 
 def save_model_dir(model: nnx.Module, out: Path, tokenizer_dir: Path) -> None:
     """HF layout plus the tokenizer files that travel with every checkpoint we write."""
+    import models
+
     models.save_pretrained(model, str(out))
     for name in TOKENIZER_FILES:
         if (tokenizer_dir / name).exists():

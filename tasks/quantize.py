@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import math
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,7 @@ from tasks.cli import PATH, stage_main
 from tasks.configs import CalibrationConfig, QuantizeConfig
 from tasks.layout import model_dir
 from tasks.stage import StageContext, write_report
+from tasks.training.config import Progress
 from tasks.training.data import PackedBatches
 
 log = logging.getLogger("forgeline.quantize")
@@ -140,11 +142,10 @@ def quantize(cfg: QuantizeConfig, model_path: Path, data_dir: Path, out_dir: Pat
     return stats
 
 
-def compute(cfg: QuantizeConfig):
-    def _compute(ctx: StageContext) -> dict[str, Any]:
-        return quantize(cfg, model_dir(ctx.inputs["model"]), ctx.inputs["data"], ctx.out_dir)
-
-    return _compute
+def run(config: QuantizeConfig, inputs: Mapping[str, Path], output: Path, *, progress: Progress | None = None,
+        context: StageContext | None = None) -> dict[str, Any]:
+    """The stage: inputs `model` (a finetune artifact or HF folder) and `data` (calibration rows)."""
+    return quantize(config, model_dir(inputs["model"]), inputs["data"], output)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -24,6 +24,7 @@ from tasks.configs import (
 
 RECIPES = Path(__file__).parent / "recipes"
 M = TypeVar("M", bound=BaseModel)
+T = TypeVar("T")
 
 
 class ConfigError(ValueError):
@@ -77,6 +78,11 @@ class ReleaseConfig(BaseModel):
             if w["gate"] == "refresh.min_acceptance_ratio":
                 return float(w["declared"])
         return self.refresh.min_acceptance_ratio
+
+    def served_model(self, finetuned: T, quantized: T) -> T:
+        """Whichever of the two the release serves (`serve`): the fine-tuned weights, or the quantize
+        artifact that holds the scheme `serve` names."""
+        return finetuned if self.serve == "finetuned" else quantized
 
     def served(self, section: str) -> BaseModel:
         """A stage's config with its served-model field set from `serve`."""

@@ -1,71 +1,121 @@
-"""Every stage by name: its config schema and its compute factory (`cfg, progress -> compute(ctx)`).
+"""Every stage by name: one record each, naming its module, its config schema, its inputs, whether it
+trains, and what it needs to run on (the flows dispatch on these records; docs/architecture.md).
 
-The flows look stages up here, so a Prefect task needs nothing but a stage name, a config dict and
-input references; `run(...)` is the same thing without Prefect (a GPU node runs it directly).
+Importing this module imports no stage (and no JAX): a stage's module is imported when it first runs.
+`run_stage(store, kind, config, inputs)` runs a registered stage by name, inside the commit protocol of
+tasks/stage.py: skipped when its fingerprint is committed, computed once across processes otherwise.
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Any
 
 from pydantic import BaseModel
 
 from storage import ArtifactRef, Store
-from tasks import base_model, data_prep, draft, evaluate, export, finetune, quantize, traces
-from tasks.layout import model_dir
-from tasks.stage import Compute, StageContext, run_stage, stage_fingerprint
-from tasks.training.loop import Progress
+from tasks.configs import (
+    BaseModelConfig,
+    DataPrepConfig,
+    DraftConfig,
+    EvalConfig,
+    ExportConfig,
+    FinetuneConfig,
+    QuantizeConfig,
+    TracesConfig,
+)
+from tasks.recipe import validate
+from tasks.stage import Progress, StageContext, fingerprint_of, run_once
 
 
-def _data_prep(cfg: data_prep.DataPrepConfig, progress: Progress | None = None) -> Compute:
-    """Input `tokenizer` (optional): a checkpoint artifact whose tokenizer.json the data must use."""
+@dataclass(frozen=True)
+class Resources:
+    """What one run of a stage needs by default (a recipe's execution settings may override it)."""
 
-    def _compute(ctx: StageContext) -> dict[str, Any]:
-        tok = ctx.inputs.get("tokenizer")
-        tok_json = model_dir(tok) / "tokenizer.json" if tok is not None else None
-        return data_prep.run_local(cfg, ctx.out_dir, tokenizer_json=tok_json)
-
-    return _compute
+    accelerators: int = 0  # GPUs per host; 0: a CPU node
+    hosts: int = 1
+    memory_gib: int | None = None
 
 
-STAGES: dict[str, tuple[type[BaseModel], Callable[..., Compute]]] = {
-    "data_prep": (data_prep.DataPrepConfig, _data_prep),
-    "base": (base_model.BaseModelConfig, base_model.compute),
-    "finetune": (finetune.FinetuneConfig, finetune.compute),
-    "traces": (traces.TracesConfig, lambda cfg, progress=None: traces.compute(cfg)),
-    "draft": (draft.DraftConfig, lambda cfg, progress=None: draft.compute(
-        cfg, progress, init_input="init")),
-    "quantize": (quantize.QuantizeConfig, lambda cfg, progress=None: quantize.compute(cfg)),
-    "evaluate": (evaluate.EvalConfig, lambda cfg, progress=None: evaluate.compute(cfg)),
-    "export": (export.ExportConfig, lambda cfg, progress=None: export.compute(cfg)),
-}
+CPU, GPU = Resources(), Resources(accelerators=1)
 
 
-def parse_config(kind: str, config: Mapping[str, Any]) -> BaseModel:
-    from tasks.recipe import validate
+@dataclass(frozen=True)
+class Stage:
+    """A stage: `tasks/<module>.py` exposes `run(config, inputs, output, *, progress, context)`."""
 
+    name: str  # the stage kind: the store folder `<store>/<name>/<fingerprint>/`
+    module: str
+    config: type[BaseModel]
+    inputs: tuple[str, ...]  # required input artifacts, by the name `run` receives them under
+    optional: tuple[str, ...] = ()
+    trains: bool = False  # shows training progress; resumes from checkpoints
+    resources: Resources = field(default=CPU)
+
+    def load(self) -> ModuleType:
+        return importlib.import_module(f"tasks.{self.module}")
+
+    def parse(self, config: BaseModel | Mapping[str, Any]) -> BaseModel:
+        """The typed config: validated once (a dict from a Prefect parameter), or passed through."""
+        if isinstance(config, self.config):
+            return config
+        data = config.model_dump(mode="json") if isinstance(config, BaseModel) else dict(config)
+        return validate(self.config, data, self.name)
+
+    def check_inputs(self, inputs: Mapping[str, Any]) -> None:
+        missing = [n for n in self.inputs if n not in inputs]
+        unknown = [n for n in inputs if n not in self.inputs + self.optional]
+        if missing or unknown:
+            raise ValueError(f"stage {self.name}: inputs {sorted(inputs)} (missing {missing}, unknown {unknown}; "
+                             f"takes {list(self.inputs)} and optionally {list(self.optional)})")
+
+
+STAGES: dict[str, Stage] = {s.name: s for s in (
+    Stage("data_prep", "data_prep", DataPrepConfig, (), optional=("tokenizer",)),
+    Stage("base", "base_model", BaseModelConfig, (), optional=("data",), trains=True, resources=GPU),
+    Stage("finetune", "finetune", FinetuneConfig, ("base", "data"), trains=True, resources=GPU),
+    Stage("quantize", "quantize", QuantizeConfig, ("model", "data"), resources=GPU),
+    Stage("traces", "traces", TracesConfig, ("model", "data"), resources=GPU),
+    Stage("draft", "draft", DraftConfig, ("target", "traces"), optional=("init",), trains=True, resources=GPU),
+    Stage("evaluate", "evaluate", EvalConfig, ("finetune", "data"), optional=("base", "draft", "quant"),
+          resources=GPU),
+    Stage("export", "export", ExportConfig, ("base", "data", "finetune", "traces", "draft", "quant", "evaluate")),
+)}
+
+
+def stage(kind: str) -> Stage:
     if kind not in STAGES:
         raise ValueError(f"unknown stage {kind!r} (known: {', '.join(STAGES)})")
-    return validate(STAGES[kind][0], dict(config), kind)
+    return STAGES[kind]
 
 
-def _fp_config(cfg: BaseModel, salt: Mapping[str, Any] | None) -> dict[str, Any]:
-    """What is fingerprinted and recorded: the validated config, plus `salt` (e.g. the listing of an
-    external input) when given."""
+def fingerprint(kind: str, config: BaseModel | Mapping[str, Any], inputs: Mapping[str, ArtifactRef],
+                salt: Mapping[str, Any] | None = None) -> str:
+    """A registered stage's address: its kind, validated config (+ `salt`, e.g. the listing of an external
+    input), input digests, and the version of the code it runs (tasks/code.py)."""
+    spec = stage(kind)
+    return fingerprint_of(kind, _recorded(spec.parse(config), salt), inputs, f"tasks.{spec.module}")
+
+
+def _recorded(cfg: BaseModel, salt: Mapping[str, Any] | None) -> dict[str, Any]:
+    """What is fingerprinted and recorded in the manifest: the config, plus `salt` when given."""
     return {**cfg.model_dump(mode="json"), **({"_salt": dict(salt)} if salt else {})}
 
 
-def fingerprint(kind: str, config: Mapping[str, Any], inputs: Mapping[str, ArtifactRef],
-                salt: Mapping[str, Any] | None = None) -> str:
-    return stage_fingerprint(kind, _fp_config(parse_config(kind, config), salt), inputs)
-
-
-def run(store: Store, kind: str, config: Mapping[str, Any], inputs: Mapping[str, ArtifactRef], *,
-        salt: Mapping[str, Any] | None = None, progress: Progress | None = None, force: bool = False,
-        on_compute: Callable[[], None] | None = None) -> ArtifactRef:
-    """Run one stage by name (skipped when its fingerprint is already committed; `on_compute` is called
+def run_stage(store: Store, kind: str, config: BaseModel | Mapping[str, Any], inputs: Mapping[str, ArtifactRef], *,
+              salt: Mapping[str, Any] | None = None, progress: Progress | None = None, force: bool = False,
+              on_compute: Callable[[], None] | None = None) -> ArtifactRef:
+    """Run one registered stage (skipped when its fingerprint is already committed; `on_compute` is called
     when this process, rather than another one holding the stage's lease, computes it)."""
-    cfg = parse_config(kind, config)
-    return run_stage(store, kind, _fp_config(cfg, salt), inputs, STAGES[kind][1](cfg, progress), force=force,
-                     on_compute=on_compute)
+    spec = stage(kind)
+    spec.check_inputs(inputs)
+    cfg = spec.parse(config)
+
+    def work(ctx: StageContext) -> dict[str, Any]:
+        return spec.load().run(cfg, ctx.inputs, ctx.out_dir, progress=progress, context=ctx)
+
+    return run_once(store, kind, _recorded(cfg, salt), inputs, work, code=f"tasks.{spec.module}", force=force,
+                    on_compute=on_compute)

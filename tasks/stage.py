@@ -1,9 +1,11 @@
 """The one way a stage runs: fingerprint -> skip if committed -> take the stage's lease (or wait for the
 process that holds it) -> fetch inputs (checked against their manifests) -> compute locally -> commit
-(files first, manifest last, only while the lease is still held).
+(files first, manifest last, only while the lease is still held). `run_once` is that protocol for any
+work function; tasks/registry.py runs the registered stages through it.
 
 Pipeline steps are plain functions at hashed paths, as in marin: a stage's output address is the
-fingerprint of (stage kind, canonical config, code version, input digests), so a re-run of a release
+fingerprint of (stage kind, canonical config, the version of the stage's own code -- tasks/code.py --,
+input digests), so a re-run of a release
 finds every finished stage already committed and skips it, a failed stage leaves no manifest behind
 (nothing half-written is visible to readers), and two releases started together compute each stage
 once: the second waits on the first's lease and then reads its commit.
@@ -29,7 +31,12 @@ from typing import Any
 from pydantic import BaseModel
 
 import storage
-from storage import ArtifactRef, Lease, LeaseLost, Store, fingerprint
+from storage import ArtifactRef, Lease, LeaseLost, Store
+from tasks.code import code_version, source_version
+from tasks.layout import checkpoint_prefix
+from tasks.training.config import Progress
+
+__all__ = ["Progress", "StageContext", "fingerprint_of", "read_report", "run_once", "work_root", "write_report"]
 
 log = logging.getLogger("forgeline.stage")
 
@@ -56,8 +63,25 @@ class StageContext:
         made; removed once the stage commits)."""
         return checkpoint_dir(self.kind, self.fingerprint)
 
+    @property
+    def checkpoint_url(self) -> str:
+        """Where in the store this stage keeps its resumable side state (training checkpoints, trace shards)."""
+        return self.store.url(checkpoint_prefix(self.kind, self.fingerprint))
 
-Compute = Callable[[StageContext], dict[str, Any]]
+    def checkpoints(self, keep: int):
+        """Training checkpoints for this run: local, uploaded under `checkpoint_url`, resumed from there."""
+        from tasks.training.checkpoints import Checkpoints
+
+        return Checkpoints(self.checkpoint_dir, self.store, f"{self.kind}/{self.fingerprint}", keep=keep)
+
+    def key_of(self, name: str, sub: str = ".") -> str:
+        """Input `name` (or the folder `sub` inside it) by its key in the store: the same bytes wherever the
+        store lives (a bundle's lineage, an adapter's base model name)."""
+        url = self.refs[name].url if sub == "." else storage.join(self.refs[name].url, sub)
+        return self.store.key_of(url)
+
+
+Work = Callable[[StageContext], dict[str, Any]]
 
 
 def is_measurement(key: str) -> bool:
@@ -111,8 +135,15 @@ def config_dict(config: BaseModel | Mapping[str, Any]) -> dict[str, Any]:
     return config.model_dump(mode="json") if isinstance(config, BaseModel) else dict(config)
 
 
-def stage_fingerprint(kind: str, config: BaseModel | Mapping[str, Any], inputs: Mapping[str, ArtifactRef]) -> str:
-    return fingerprint(kind, config_dict(config), inputs.values())
+def fingerprint_of(kind: str, config: BaseModel | Mapping[str, Any], inputs: Mapping[str, ArtifactRef],
+                   code: str | None = None) -> str:
+    """The address of `kind` computed from `config` and `inputs` by the code of module `code` (its import
+    closure, tasks/code.py; None: the whole library tree)."""
+    return storage.fingerprint(kind, config_dict(config), inputs.values(), _code(code))
+
+
+def _code(module: str | None) -> str:
+    return code_version(module) if module is not None else source_version()
 
 
 def checkpoint_dir(kind: str, fp: str) -> Path:
@@ -126,19 +157,21 @@ def work_root() -> Path:
     return root
 
 
-def run_stage(
+def run_once(
     store: Store,
     kind: str,
     config: BaseModel | Mapping[str, Any],
     inputs: Mapping[str, ArtifactRef],
-    compute: Compute,
+    work: Work,
     *,
+    code: str | None = None,
     force: bool = False,
     on_compute: Callable[[], None] | None = None,
 ) -> ArtifactRef:
-    """Run `compute(ctx) -> metadata` unless `<kind>/<fingerprint>` is already committed; while another
-    process holds the stage's lease, wait for its commit (or for its lease to lapse) instead."""
-    fp = stage_fingerprint(kind, config, inputs)
+    """Run `work(ctx) -> metadata` unless `<kind>/<fingerprint>` is already committed; while another
+    process holds the stage's lease, wait for its commit (or for its lease to lapse) instead. `code` names
+    the module whose import closure versions the work (see `fingerprint_of`)."""
+    fp = fingerprint_of(kind, config, inputs, code)
     while True:
         if not force and (done := store.lookup(kind, fp)) is not None:
             log.info("%s: already committed at %s, skipping", kind, done.url)
@@ -152,7 +185,7 @@ def run_stage(
                 return done
             if on_compute is not None:
                 on_compute()
-            ref = _compute_and_commit(store, kind, fp, config, inputs, compute, lease)
+            ref = _compute_and_commit(store, kind, fp, config, inputs, work, lease, _code(code))
         except LeaseLost as e:  # we stalled past the expiry and another process took over: wait for it
             log.warning("%s: %s", kind, e)
             lease.release()
@@ -178,21 +211,22 @@ def _take(lease: Lease, committed: Callable[[], bool]) -> bool:
 
 
 def _compute_and_commit(store: Store, kind: str, fp: str, config: BaseModel | Mapping[str, Any],
-                        inputs: Mapping[str, ArtifactRef], compute: Compute, lease: Lease) -> ArtifactRef:
+                        inputs: Mapping[str, ArtifactRef], work: Work, lease: Lease, code: str) -> ArtifactRef:
     local_inputs = {name: store.fetch(ref) for name, ref in inputs.items()}
     staging = Path(tempfile.mkdtemp(prefix=f"{kind}-{fp[:8]}-", dir=work_root()))
     try:
         t0 = time.perf_counter()
         log.info("%s: computing %s", kind, fp)
         ctx = StageContext(kind, fp, staging, local_inputs, dict(inputs), store)
-        metadata = compute(ctx) or {}
+        metadata = work(ctx) or {}
         metadata = {**metadata, "seconds": round(time.perf_counter() - t0, 2)}
         ref = store.commit(staging, kind, fp, config=config_dict(config), inputs=inputs.values(), metadata=metadata,
-                           volatile=VOLATILE, fence=lease.check)
+                           volatile=VOLATILE, fence=lease.check, code_version=code,
+                           source_version=source_version())
         # The committed artifact supersedes the stage's resumable side state (training checkpoints,
         # finished trace shards), in the store and on local disk: without this, offline hidden states would
         # sit in the store twice and every fine-tune would leave a full checkpoint behind on the worker.
-        storage.rm(store.url(f"checkpoints/{kind}/{fp}"))
+        storage.rm(store.url(checkpoint_prefix(kind, fp)))
         shutil.rmtree(checkpoint_dir(kind, fp), ignore_errors=True)
         log.info("%s: committed %s in %.1fs", kind, ref.url, metadata["seconds"])
         return ref

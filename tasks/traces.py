@@ -46,7 +46,7 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -62,11 +62,13 @@ import storage
 from models.eagle3 import default_aux_layer_ids
 from models.generate import generate
 from tasks.cli import PATH, stage_main
+from tasks.code import code_version
 from tasks.configs import TracesConfig
 from tasks.data.features import hidden_for_rows
 from tasks.data.rows import COLUMNS, SPLITS, pack, read_rows, write_hidden, write_rows
 from tasks.layout import TOKENIZER_FILES, model_dir
 from tasks.stage import StageContext, write_report
+from tasks.training.config import Progress
 
 log = logging.getLogger("forgeline.traces")
 
@@ -188,7 +190,7 @@ def generate_shard(model: nnx.Module, prompts: list[list[int]], cfg: TracesConfi
 def shard_key(cfg: TracesConfig, run_key: str, split: str, index: int, prompts: list[list[int]]) -> str:
     """What a finished shard depends on: the config (less prompt selection: the prompts themselves are
     in), the code version, the run (the target), the split, the index and the shard's prompts."""
-    payload = {"config": cfg.model_dump(mode="json", exclude=_PROMPT_SELECTION), "code": storage.code_version(),
+    payload = {"config": cfg.model_dump(mode="json", exclude=_PROMPT_SELECTION), "code": code_version("tasks.traces"),
                "run": run_key, "split": split, "index": index, "prompts": prompts}
     return hashlib.sha256(_canonical(payload).encode()).hexdigest()
 
@@ -428,13 +430,16 @@ def traces(cfg: TracesConfig, model_path: Path, data_dir: Path, out_dir: Path, *
     }
 
 
-def compute(cfg: TracesConfig):
-    def _compute(ctx: StageContext) -> dict[str, Any]:
-        return traces(cfg, model_dir(ctx.inputs["model"], cfg.target), ctx.inputs["data"], ctx.out_dir,
-                      checkpoint_url=ctx.store.url(f"checkpoints/{ctx.kind}/{ctx.fingerprint}"),
-                      run_key=ctx.fingerprint)
-
-    return _compute
+def run(config: TracesConfig, inputs: Mapping[str, Path], output: Path, *, progress: Progress | None = None,
+        context: StageContext | None = None) -> dict[str, Any]:
+    """The stage: inputs `model` (the served model: a finetune or quantize artifact, `config.target` naming
+    the variant) and `data` (prompts). With a `context`, finished shards are kept in the store and a
+    rerun after a crash reuses them."""
+    model = model_dir(inputs["model"], config.target)
+    if context is None:
+        return traces(config, model, inputs["data"], output)
+    return traces(config, model, inputs["data"], output, checkpoint_url=context.checkpoint_url,
+                  run_key=context.fingerprint)
 
 
 def main(argv: list[str] | None = None) -> None:

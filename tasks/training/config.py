@@ -3,9 +3,12 @@ error a diverged run raises. Pydantic only -- a recipe is validated without impo
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+Progress = Callable[[int, int, dict[str, float]], None]  # (step, total steps, metrics): a stage's progress hook
 
 
 class TrainingDiverged(RuntimeError):

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from tasks.training.checkpoints import Checkpoints
-from tasks.training.config import TrainingDiverged
+from tasks.training.config import Progress, TrainingDiverged
 from tasks.training.data import PackedBatches
 from tasks.training.flops import matmul_peak_flops, train_flops_per_token
 from tasks.training.progress import ProgressBar
@@ -23,7 +23,6 @@ from tasks.training.trainer import Trainer
 
 log = logging.getLogger("forgeline.train")
 
-Progress = Callable[[int, int, dict[str, float]], None]  # (step, total steps, metrics): a stage's progress hook
 
 def _gib(n: float) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"

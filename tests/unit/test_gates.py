@@ -83,7 +83,8 @@ def test_a_release_under_waivers_knows_it_fails_the_declared_gates():
 
 
 def test_export_records_waivers_in_lineage_and_model_card(tmp_path):
-    from tasks.export import ExportConfig, export
+    from tasks.configs import ExportConfig
+    from tasks.export import run as export
     from tasks.stage import StageContext
 
     cfg = load_release("tiny", ["evaluate.gates.speculative_lossless=false"], allow_weaker_gates=True)
@@ -102,7 +103,7 @@ def test_export_records_waivers_in_lineage_and_model_card(tmp_path):
     refs = {k: type("R", (), {"url": f"file:///s/{k}/fp", "kind": k, "fingerprint": "fp", "digest": "d" * 64})()
             for k in inputs}
     ctx = StageContext("export", "fp", tmp_path / "out", inputs, refs, None)
-    meta = export(ExportConfig(name="t", recipe=cfg.model_dump(mode="json")), ctx)
+    meta = export(ExportConfig(name="t", recipe=cfg.model_dump(mode="json")), ctx.inputs, ctx.out_dir, context=ctx)
     lineage = json.loads((tmp_path / "out" / "lineage.json").read_text())
     assert meta["waivers"] == 1 and lineage["gates_passed"] is True and lineage["gates_passed_as_declared"] is False
     assert lineage["waivers"][0]["gate"] == "evaluate.gates.speculative_lossless"

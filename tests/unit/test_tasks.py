@@ -13,7 +13,7 @@ from storage import Store
 from tasks.data.rows import pack
 from tasks.evaluate import Gates, gates
 from tasks.recipe import ConfigError, apply_overrides, load_recipe, parse_overrides
-from tasks.stage import run_stage
+from tasks.stage import run_once
 from tasks.training.config import TrainConfig
 from tasks.training.data import PackedBatches
 from tasks.training.loop import fit
@@ -88,8 +88,8 @@ def test_stage_skips_when_committed_and_leaves_nothing_on_failure(tmp_path):
         (ctx.out_dir / "out.txt").write_text("done")
         return {"n": 1}
 
-    ref = run_stage(store, "demo", {"x": 1}, {}, compute)
-    again = run_stage(store, "demo", {"x": 1}, {}, compute)
+    ref = run_once(store, "demo", {"x": 1}, {}, compute)
+    again = run_once(store, "demo", {"x": 1}, {}, compute)
     assert again == ref and len(calls) == 1 and ref.metadata["n"] == 1
 
     def broken(ctx):
@@ -97,13 +97,13 @@ def test_stage_skips_when_committed_and_leaves_nothing_on_failure(tmp_path):
         raise ValueError("corpus: x is empty")
 
     with pytest.raises(ValueError, match="empty"):
-        run_stage(store, "demo", {"x": 2}, {"up": ref}, broken)
+        run_once(store, "demo", {"x": 2}, {"up": ref}, broken)
     manifests = list((tmp_path / "store").rglob("manifest.json"))
     assert manifests == [tmp_path / "store" / "demo" / ref.fingerprint / "manifest.json"]
 
     # a downstream stage sees its input as a local folder
     seen = {}
-    run_stage(store, "down", {}, {"up": ref}, lambda ctx: seen.update(text=(ctx.inputs["up"] / "out.txt").read_text())
+    run_once(store, "down", {}, {"up": ref}, lambda ctx: seen.update(text=(ctx.inputs["up"] / "out.txt").read_text())
               or (ctx.out_dir / "y").write_text("y") and {})
     assert seen["text"] == "done"
 
@@ -203,7 +203,8 @@ def test_quant_gates_per_scheme():
 
 
 def test_export_refuses_failed_gates(tmp_path):
-    from tasks.export import ExportConfig, GateError, export
+    from tasks.configs import ExportConfig
+    from tasks.export import GateError, run
     from tasks.stage import StageContext
 
     ev = tmp_path / "evaluate"
@@ -213,5 +214,5 @@ def test_export_refuses_failed_gates(tmp_path):
     ref = type("R", (), {"url": "file:///x/evaluate/abc"})()
     ctx = StageContext("export", "fp", tmp_path / "out", {"evaluate": ev}, {"evaluate": ref}, None)
     with pytest.raises(GateError, match="int8 perplexity"):
-        export(ExportConfig(name="t", recipe={}), ctx)
+        run(ExportConfig(name="t", recipe={}), ctx.inputs, ctx.out_dir, context=ctx)
     assert not Path(tmp_path / "out").exists()

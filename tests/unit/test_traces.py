@@ -14,10 +14,10 @@ from pydantic import ValidationError
 
 import storage
 from storage import Store
+from tasks import registry
 from tasks import traces as tr
 from tasks.data import features
 from tasks.data import rows as row_files
-from tasks.stage import run_stage, stage_fingerprint
 
 pytestmark = pytest.mark.unit
 
@@ -149,19 +149,19 @@ def test_resume_through_a_store(target, reference, tmp_path, monkeypatch):
     store = Store(f"file://{tmp_path}/store", cache_dir=tmp_path / "cache")
     inputs = {"model": store.commit(model, "finetune", "m0", config={}),
               "data": store.commit(data, "data_prep", "d0", config={})}
-    ckpt = store.url(f"checkpoints/traces/{stage_fingerprint('traces', CFG, inputs)}")
+    ckpt = store.url(f"checkpoints/traces/{registry.fingerprint('traces', CFG, inputs)}")
 
     calls = Calls(monkeypatch, fail_at=("train", 2))
     with pytest.raises(RuntimeError, match="injected failure"):
-        run_stage(store, "traces", CFG, inputs, tr.compute(CFG))
-    assert store.lookup("traces", stage_fingerprint("traces", CFG, inputs)) is None
+        registry.run_stage(store, "traces", CFG, inputs)
+    assert store.lookup("traces", registry.fingerprint("traces", CFG, inputs)) is None
     assert storage.exists(storage.join(ckpt, "train-00001.done.json"))
     # a shard uploaded without its marker (killed mid-upload) is not taken as done
     storage.rm(storage.join(ckpt, "train-00001.done.json"))
     storage.write_bytes(storage.join(ckpt, "train-00001.parquet"), b"half an upload")
 
     calls = Calls(monkeypatch)  # a fresh staging folder: everything reused comes from the store
-    ref = run_stage(store, "traces", CFG, inputs, tr.compute(CFG))
+    ref = registry.run_stage(store, "traces", CFG, inputs)
     assert calls.seen == [("train", 1), ("train", 2), ("valid", 0)]
     assert ref.metadata["reused_shards"] == 1 and ref.metadata["hidden_states"] == "offline"
     out = store.fetch(ref)
