@@ -8,7 +8,7 @@ Defaults live here and only here; recipes state differences from them.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -16,6 +16,8 @@ from models import quant
 from models.lora import ALL_LINEAR
 from tasks.data.corpora import SPECIAL_TOKENS
 from tasks.training.config import TrainConfig
+
+T = TypeVar("T")
 
 
 class DataPrepConfig(BaseModel):
@@ -248,3 +250,65 @@ class ExportConfig(BaseModel):
     name: str
     recipe: dict[str, Any]
     enforce_gates: bool = True
+
+
+# -- the release: every stage's section, and what ties them together -----------------------------
+
+
+class RefreshConfig(BaseModel):
+    """The scheduled draft refresh: fresh prompts -> traces -> retrained draft -> promote if no worse."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    data: DataPrepConfig = DataPrepConfig(corpus="builtin://python-stdlib-functions")
+    traces: TracesConfig = TracesConfig()
+    draft: DraftConfig = DraftConfig()
+    min_acceptance_ratio: float = 1.0  # promote only if new acceptance >= ratio * current
+
+
+class ReleaseConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = "forgeline-tiny"
+    base: BaseModelConfig = BaseModelConfig()
+    data: DataPrepConfig = DataPrepConfig(corpus="builtin://python-stdlib-functions")
+    finetune: FinetuneConfig = FinetuneConfig()
+    traces: TracesConfig = TracesConfig()
+    draft: DraftConfig = DraftConfig()
+    quantize: QuantizeConfig = QuantizeConfig()
+    evaluate: EvalConfig = EvalConfig()
+    refresh: RefreshConfig = RefreshConfig()
+    # The model the release serves and the draft is trained and measured against: the fine-tuned
+    # weights or one of `quantize.schemes` (a quantized target shifts the distribution the draft must match).
+    serve: str = "finetuned"
+    # Gates the command line loosened (`load_release(..., allow_weaker_gates=True)`); set by forgeline, never
+    # by a recipe: {gate, declared, effective} each.
+    waivers: tuple[dict[str, Any], ...] = ()
+
+    @model_validator(mode="after")
+    def _serve_known(self) -> ReleaseConfig:
+        if self.serve != "finetuned" and self.serve not in self.quantize.schemes:
+            raise ValueError(f"serve {self.serve!r} is neither 'finetuned' nor one of quantize.schemes "
+                             f"{list(self.quantize.schemes)}")
+        if not self.evaluate.gates.enabled(self.quantize.schemes):
+            raise ValueError("evaluate.gates: no gate is enabled, so nothing would stand between a release and its "
+                             "users (enable finetune_improves, speculative_lossless, min_acceptance_length > 0 or "
+                             "ship a quantize scheme)")
+        return self
+
+    def refresh_ratio_declared(self) -> float:
+        """The draft refresh's promotion threshold as the recipe declares it (a waiver may lower the one in force)."""
+        for w in self.waivers:
+            if w["gate"] == "refresh.min_acceptance_ratio":
+                return float(w["declared"])
+        return self.refresh.min_acceptance_ratio
+
+    def served_model(self, finetuned: T, quantized: T) -> T:
+        """Whichever of the two the release serves (`serve`): the fine-tuned weights, or the quantize
+        artifact that holds the scheme `serve` names."""
+        return finetuned if self.serve == "finetuned" else quantized
+
+    def served(self, section: str) -> BaseModel:
+        """A stage's config with its served-model field set from `serve`."""
+        field = {"traces": "target", "draft": "target", "evaluate": "spec_target"}[section]
+        return getattr(self, section).model_copy(update={field: self.serve})

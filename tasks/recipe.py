@@ -1,5 +1,7 @@
-"""Release recipes: one typed schema per stage (next to the stage), composed into `ReleaseConfig`,
-loaded from YAML (`tasks/recipes/<name>.yaml` or a file path) plus `key=value` overrides.
+"""Release recipes: YAML (`tasks/recipes/<name>.yaml` or a file path, `extends:` another recipe) plus
+`--set key=value` overrides, written over the defaults of `tasks/configs.py` section by section and
+validated once into `ReleaseConfig`; gates an override loosens become recorded waivers. The one `--set`
+parser (`parse_overrides`, `apply_overrides`) serves `forgeline` and every `python -m tasks.<stage>`.
 
 An unknown or ill-typed key is a `ConfigError` whose one-line message names the key; nothing runs.
 """
@@ -10,84 +12,16 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+from pydantic import BaseModel, ValidationError
 
-from tasks.configs import (
-    BaseModelConfig,
-    DataPrepConfig,
-    DraftConfig,
-    EvalConfig,
-    FinetuneConfig,
-    QuantizeConfig,
-    TracesConfig,
-)
+from tasks.configs import ReleaseConfig
 
 RECIPES = Path(__file__).parent / "recipes"
 M = TypeVar("M", bound=BaseModel)
-T = TypeVar("T")
 
 
 class ConfigError(ValueError):
     """A recipe or override that does not fit the schema."""
-
-
-class RefreshConfig(BaseModel):
-    """The scheduled draft refresh: fresh prompts -> traces -> retrained draft -> promote if no worse."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    data: DataPrepConfig = DataPrepConfig(corpus="builtin://python-stdlib-functions", seed=1)
-    traces: TracesConfig = TracesConfig()
-    draft: DraftConfig = DraftConfig()
-    min_acceptance_ratio: float = 1.0  # promote only if new acceptance >= ratio * current
-
-
-class ReleaseConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    name: str = "forgeline-tiny"
-    base: BaseModelConfig = BaseModelConfig()
-    data: DataPrepConfig = DataPrepConfig(corpus="builtin://python-stdlib-functions")
-    finetune: FinetuneConfig = FinetuneConfig()
-    traces: TracesConfig = TracesConfig()
-    draft: DraftConfig = DraftConfig()
-    quantize: QuantizeConfig = QuantizeConfig()
-    evaluate: EvalConfig = EvalConfig()
-    refresh: RefreshConfig = RefreshConfig()
-    # The model the release serves and the draft is trained and measured against: the fine-tuned
-    # weights or one of `quantize.schemes` (a quantized target shifts the distribution the draft must match).
-    serve: str = "finetuned"
-    # Gates the command line loosened (`load_release(..., allow_weaker_gates=True)`); set by forgeline, never
-    # by a recipe: {gate, declared, effective} each.
-    waivers: tuple[dict[str, Any], ...] = ()
-
-    @model_validator(mode="after")
-    def _serve_known(self) -> ReleaseConfig:
-        if self.serve != "finetuned" and self.serve not in self.quantize.schemes:
-            raise ValueError(f"serve {self.serve!r} is neither 'finetuned' nor one of quantize.schemes "
-                             f"{list(self.quantize.schemes)}")
-        if not self.evaluate.gates.enabled(self.quantize.schemes):
-            raise ValueError("evaluate.gates: no gate is enabled, so nothing would stand between a release and its "
-                             "users (enable finetune_improves, speculative_lossless, min_acceptance_length > 0 or "
-                             "ship a quantize scheme)")
-        return self
-
-    def refresh_ratio_declared(self) -> float:
-        """The draft refresh's promotion threshold as the recipe declares it (a waiver may lower the one in force)."""
-        for w in self.waivers:
-            if w["gate"] == "refresh.min_acceptance_ratio":
-                return float(w["declared"])
-        return self.refresh.min_acceptance_ratio
-
-    def served_model(self, finetuned: T, quantized: T) -> T:
-        """Whichever of the two the release serves (`serve`): the fine-tuned weights, or the quantize
-        artifact that holds the scheme `serve` names."""
-        return finetuned if self.serve == "finetuned" else quantized
-
-    def served(self, section: str) -> BaseModel:
-        """A stage's config with its served-model field set from `serve`."""
-        field = {"traces": "target", "draft": "target", "evaluate": "spec_target"}[section]
-        return getattr(self, section).model_copy(update={field: self.serve})
 
 
 def _one_line(e: ValidationError, source: str) -> ConfigError:
@@ -176,13 +110,30 @@ def _recipe_data(name_or_file: str, seen: tuple[Path, ...] = ()) -> tuple[Path, 
     return path, deep_merge(_recipe_data(parent, seen + (path.resolve(),))[1], data)
 
 
+def over_defaults(default: BaseModel, data: dict[str, Any]) -> dict[str, Any]:
+    """`data` written over `default`, section by section: a section a recipe states in part keeps the rest of
+    *its own* defaults (`draft.train: {batch_size: 8}` keeps the draft's 300 steps, not TrainConfig's 200);
+    a mapping-valued field (gate limits per scheme, sharding rules) keeps the keys it does not state;
+    lists and values are replaced."""
+    out = default.model_dump(mode="json")
+    for key, value in data.items():
+        current = getattr(default, key, None) if key in type(default).model_fields else None
+        if isinstance(current, BaseModel) and isinstance(value, dict):
+            out[key] = over_defaults(current, value)
+        elif isinstance(out.get(key), dict) and isinstance(value, dict):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
 def load_recipe(name_or_file: str = "tiny", overrides: list[str] | None = None) -> ReleaseConfig:
     path, data = _recipe_data(name_or_file)
     data = deep_merge(data, parse_overrides(overrides or []))
     for key, section in (("waivers", data), ("evaluate.declared_gates", data.get("evaluate"))):
         if isinstance(section, dict) and key.rsplit(".", 1)[-1] in section:
             raise ConfigError(f"recipe {path.name}: '{key}' is recorded by forgeline, not set by a recipe or --set")
-    return validate(ReleaseConfig, data, f"recipe {path.name}")
+    return validate(ReleaseConfig, over_defaults(ReleaseConfig(), data), f"recipe {path.name}")
 
 
 def gate_waivers(declared: ReleaseConfig, effective: ReleaseConfig) -> list[dict[str, Any]]:

@@ -1,0 +1,47 @@
+"""Recipes state differences from the one set of defaults (tasks/configs.py), section by section."""
+
+from __future__ import annotations
+
+import yaml
+
+from tasks.configs import DraftConfig, ReleaseConfig
+from tasks.recipe import RECIPES, load_recipe
+
+
+def test_a_partial_section_keeps_its_own_defaults(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("draft:\n  train:\n    batch_size: 8\nrefresh:\n  data:\n    max_documents: 10\n")
+    cfg = load_recipe(str(recipe))
+    assert cfg.draft.train.batch_size == 8
+    assert cfg.draft.train.steps == DraftConfig().train.steps != 200  # the draft's default, not TrainConfig's
+    assert cfg.draft.train.checkpoint_every == DraftConfig().train.checkpoint_every
+    assert cfg.refresh.data.corpus == ReleaseConfig().refresh.data.corpus  # kept beside the stated key
+    # --set writes over the recipe in the same way
+    cfg = load_recipe(str(recipe), ["draft.train.learning_rate=0.01"])
+    assert (cfg.draft.train.learning_rate, cfg.draft.train.batch_size, cfg.draft.train.steps) == \
+        (0.01, 8, DraftConfig().train.steps)
+
+
+def test_mappings_keep_the_keys_they_do_not_state_and_lists_are_replaced(tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("evaluate:\n  gates:\n    max_quant_ppl_increase: {int8: 0.01}\nquantize:\n  schemes: [int8]\n")
+    cfg = load_recipe(str(recipe))
+    limits = dict(ReleaseConfig().evaluate.gates.max_quant_ppl_increase)
+    assert dict(cfg.evaluate.gates.max_quant_ppl_increase) == {**limits, "int8": 0.01} and len(limits) > 1
+    assert cfg.quantize.schemes == ("int8",)
+
+
+def test_the_default_recipe_states_only_differences():
+    default = ReleaseConfig().model_dump(mode="json")
+    data = yaml.safe_load((RECIPES / "tiny.yaml").read_text())
+
+    def restated(section: dict, defaults: dict, path: str = "") -> list[str]:
+        out = []
+        for key, value in section.items():
+            if isinstance(value, dict) and isinstance(defaults.get(key), dict) and key != "max_quant_ppl_increase":
+                out += restated(value, defaults[key], f"{path}{key}.")
+            elif defaults.get(key) == (list(value) if isinstance(value, tuple) else value):
+                out.append(path + key)
+        return out
+
+    assert restated(data, default) == ["name"]  # the name is stated for the reader; it is also the default
