@@ -25,13 +25,14 @@ from tasks.evaluate import load_report
 from tasks.recipe import load_release
 
 
-def _release_refs(st: Store, name: str) -> dict[str, ArtifactRef]:
-    bundle = st.read_pointer(f"releases/{name}")
+def _release_refs(artifacts: Store, name: str) -> dict[str, ArtifactRef]:
+    bundle = artifacts.read_pointer(f"releases/{name}")
     if bundle is None:
-        raise ValueError(f"draft-refresh: no release named {name!r} in {st.root} (run `forgeline release` first)")
+        raise ValueError(f"draft-refresh: no release named {name!r} in {artifacts.root} "
+                         f"(run `forgeline release` first)")
     lineage = json.loads(storage.read_bytes(bundle.file("lineage.json")))
     # keys, checked to stay inside the store: a bundle's lineage cannot send the refresh elsewhere
-    return {k: st.load(st.url(v["key"])) for k, v in lineage["stages"].items()}
+    return {k: artifacts.load(artifacts.url(v["key"])) for k, v in lineage["stages"].items()}
 
 
 @flow(name="draft-refresh", log_prints=True)
@@ -41,38 +42,40 @@ def draft_refresh(recipe: str = "tiny", overrides: list[str] | None = None, stor
     log = get_run_logger()
     cfg = load_release(recipe, overrides or [], allow_weaker_gates=allow_weaker_gates)
     store = storage.normalize_url(store)
-    st = Store(store)
-    refs = _release_refs(st, cfg.name)
+    artifacts = Store(store)
+    refs = _release_refs(artifacts, cfg.name)
     finetuned = refs["finetune"]
     served = cfg.served_model(finetuned, refs.get("quant"))  # what the release serves
-    current = st.read_pointer(f"drafts/{cfg.name}") or refs["draft"]
-    r = cfg.refresh
-    data = submit("data_prep[fresh]", "data_prep", r.data, {"tokenizer": finetuned}, store)
-    traces = submit("traces[fresh]", "traces", r.traces.model_copy(update={"target": cfg.serve}),
+    current = artifacts.read_pointer(f"drafts/{cfg.name}") or refs["draft"]
+    refresh = cfg.refresh
+    data = submit("data_prep[fresh]", "data_prep", refresh.data, {"tokenizer": finetuned}, store)
+    traces = submit("traces[fresh]", "traces", refresh.traces.model_copy(update={"target": cfg.serve}),
                     {"model": served, "data": data}, store)
-    candidate = submit("draft[candidate]", "draft", r.draft.model_copy(update={"target": cfg.serve}),
+    candidate = submit("draft[candidate]", "draft", refresh.draft.model_copy(update={"target": cfg.serve}),
                        {"target": served, "traces": traces, "init": current}, store)
     # Draft-only evaluation at temperature 0 (the promotion criterion), against the served model, on the
     # fresh data's held-out prompts; no base. Its one gate is losslessness; promotion compares the two
     # drafts' acceptance below (the release's quality gates judged the served model already).
-    ev_cfg = EvalConfig(**{**cfg.evaluate.model_dump(), "spec_target": cfg.serve, "spec_temperatures": [0.0],
+    eval_cfg = EvalConfig(**{**cfg.evaluate.model_dump(), "spec_target": cfg.serve, "spec_temperatures": [0.0],
                            "spec_tree": False, "declared_gates": None,
                            "gates": Gates(finetune_improves=False, min_acceptance_length=0.0,
                                           max_quant_ppl_increase=1e9)})
-    ev_inputs = {"finetune": finetuned, "data": data} | ({"quant": refs["quant"]} if cfg.serve != "finetuned" else {})
-    evals = {name: submit(f"evaluate[{name}]", "evaluate", ev_cfg, ev_inputs | {"draft": d}, store)
+    eval_inputs = {"finetune": finetuned, "data": data} | ({"quant": refs["quant"]} if cfg.serve != "finetuned" else {})
+    evals = {name: submit(f"evaluate[{name}]", "evaluate", eval_cfg, eval_inputs | {"draft": d}, store)
              for name, d in (("current", current), ("candidate", candidate))}
     reports = {k: load_report(lambda name, v=v: storage.read_bytes(v.file(name))) for k, v in evals.items()}
-    acc = {k: rep["draft"]["acceptance_length"] for k, rep in reports.items()}
+    acceptance = {k: rep["draft"]["acceptance_length"] for k, rep in reports.items()}
     lossless = reports["candidate"]["draft"]["lossless"]
-    promote = lossless and acc["candidate"] >= cfg.refresh_ratio_declared() * acc["current"] and candidate != current
+    promote = lossless and candidate != current \
+        and acceptance["candidate"] >= cfg.refresh_ratio_declared() * acceptance["current"]
     if promote:
-        st.write_pointer(f"drafts/{cfg.name}", candidate, acceptance_length=acc["candidate"])
+        artifacts.write_pointer(f"drafts/{cfg.name}", candidate, acceptance_length=acceptance["candidate"])
     verdict = "promoted" if promote else "kept the current draft"
     create_markdown_artifact(
         f"# Draft refresh: {verdict}\n\n| draft | acceptance length | speedup |\n|---|---|---|\n"
-        + "".join(f"| {k} | {acc[k]:.3f} | {reports[k]['draft']['speedup']:.2f}x |\n" for k in acc),
+        + "".join(f"| {k} | {acceptance[k]:.3f} | {reports[k]['draft']['speedup']:.2f}x |\n" for k in acceptance),
         key=f"{cfg.name.lower()}-draft-refresh", description="draft refresh verdict")
-    log.info("draft refresh: current %.3f, candidate %.3f -> %s", acc["current"], acc["candidate"], verdict)
-    return {"promoted": promote, "current": acc["current"], "candidate": acc["candidate"],
+    log.info("draft refresh: current %.3f, candidate %.3f -> %s", acceptance["current"], acceptance["candidate"],
+             verdict)
+    return {"promoted": promote, "current": acceptance["current"], "candidate": acceptance["candidate"],
             "draft": (candidate if promote else current).url}

@@ -64,7 +64,7 @@ def release(recipe: str = "tiny", overrides: list[str] | None = None, store: str
     log = get_run_logger()
     cfg = load_release(recipe, overrides or [], allow_weaker_gates=allow_weaker_gates)
     store = storage.normalize_url(store)
-    st = Store(store)
+    artifacts = Store(store)
     base = base_stage(cfg, store)
     data = submit("data_prep", "data_prep", cfg.data, {"tokenizer": base}, store)
     finetuned = submit("finetune", "finetune", cfg.finetune, {"base": base, "data": data}, store)
@@ -80,7 +80,7 @@ def release(recipe: str = "tiny", overrides: list[str] | None = None, store: str
                     {"base": base, "data": data, "finetune": finetuned, "traces": traces, "draft": draft,
                      "quant": quantized, "evaluate": evaluation}, store)
     if report["passed_as_declared"]:
-        st.write_pointer(f"releases/{cfg.name}", bundle)
+        artifacts.write_pointer(f"releases/{cfg.name}", bundle)
     else:
         waived = ", ".join(f"{w['gate']} {w['declared']} -> {w['effective']}" for w in report["waivers"])
         log.warning("release %s: exported under waivers (%s) but the declared gates fail; pointers/releases/%s "

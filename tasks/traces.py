@@ -65,7 +65,7 @@ from tasks.cli import PATH, stage_main
 from tasks.code import code_version
 from tasks.configs import TracesConfig
 from tasks.data.features import hidden_for_rows
-from tasks.data.rows import COLUMNS, SPLITS, pack, read_rows, write_hidden, write_rows
+from tasks.data.rows import COLUMNS, SPLITS, pack_answers, read_rows, write_hidden, write_rows
 from tasks.layout import TOKENIZER_FILES, model_dir
 from tasks.stage import StageContext, write_report
 from tasks.training.config import Progress
@@ -284,7 +284,7 @@ def _make_shard(model: nnx.Module, prompts: list[list[int]], cfg: TracesConfig, 
     t0 = time.perf_counter()
     answers = generate_shard(model, prompts, cfg, eos, pad, split, index)
     generate_s = time.perf_counter() - t0
-    rows = pack(zip(prompts, answers, strict=True), cfg.seq_len, eos, pad)
+    rows = pack_answers(zip(prompts, answers, strict=True), cfg.seq_len, eos, pad)
     arrays = {c: np.asarray(rows[c], np.int32) for c in COLUMNS}  # [R, T] each
     parquet = out_dir / files[0]
     write_rows(arrays, _tmp(parquet))

@@ -63,7 +63,7 @@ def read_rows(path: Path) -> dict[str, np.ndarray]:
     return {c: np.stack(table.column(c).to_numpy(zero_copy_only=False)).astype(np.int32) for c in COLUMNS}
 
 
-def pack(sequences: Iterator[tuple[list[int], list[int]]], seq_len: int, eos: int, pad: int) -> dict[str, list]:
+def pack_answers(sequences: Iterator[tuple[list[int], list[int]]], seq_len: int, eos: int, pad: int) -> dict[str, list]:
     """Greedy packing of (prompt, answer) pairs into rows of `seq_len`; loss on answer + eos only."""
     rows: dict[str, list] = {c: [] for c in COLUMNS}
     cur: dict[str, list[int]] = {c: [] for c in COLUMNS}

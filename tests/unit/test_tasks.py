@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from storage import Store
-from tasks.data.rows import pack
+from tasks.data.rows import pack_answers
 from tasks.evaluate import Gates, gates
 from tasks.recipe import ConfigError, apply_overrides, load_recipe, parse_overrides
 from tasks.stage import run_once
@@ -163,7 +163,7 @@ def test_lora_trains_only_adapters(tiny_base):
 
 
 def test_pack_masks_prompt_and_restarts_positions():
-    rows = pack(iter([([1, 10, 11], [20, 21]), ([1, 12], [22])]), seq_len=16, eos=2, pad=0)
+    rows = pack_answers(iter([([1, 10, 11], [20, 21]), ([1, 12], [22])]), seq_len=16, eos=2, pad=0)
     ids, tgt, pos, seg, mask = (np.array(rows[c][0]) for c in
                                 ("input_ids", "target_ids", "positions", "segment_ids", "loss_mask"))
     assert ids[:5].tolist() == [1, 10, 11, 20, 21] and tgt[:5].tolist() == [10, 11, 20, 21, 2]
