@@ -111,29 +111,27 @@ def _recipe_data(name_or_file: str, seen: tuple[Path, ...] = ()) -> tuple[Path, 
 
 
 def over_defaults(default: BaseModel, data: dict[str, Any]) -> dict[str, Any]:
-    """`data` written over `default`, section by section: a section a recipe states in part keeps the rest of
-    *its own* defaults (`draft.train: {batch_size: 8}` keeps the draft's 300 steps, not TrainConfig's 200);
-    a mapping-valued field (gate limits per scheme, sharding rules) keeps the keys it does not state;
-    lists and values are replaced."""
+    """A recipe's `data` written over `default`, section by section: a section stated in part keeps the rest
+    of *its own* defaults (`draft.train: {batch_size: 8}` keeps the draft's 300 steps, not TrainConfig's
+    200). A value that is not a section -- a number, a list, a mapping such as the gate limits per scheme --
+    is replaced: a recipe that states a mapping states all of it."""
     out = default.model_dump(mode="json")
     for key, value in data.items():
         current = getattr(default, key, None) if key in type(default).model_fields else None
-        if isinstance(current, BaseModel) and isinstance(value, dict):
-            out[key] = over_defaults(current, value)
-        elif isinstance(out.get(key), dict) and isinstance(value, dict):
-            out[key] = deep_merge(out[key], value)
-        else:
-            out[key] = value
+        out[key] = over_defaults(current, value) if isinstance(current, BaseModel) and isinstance(value, dict) \
+            else value
     return out
 
 
 def load_recipe(name_or_file: str = "tiny", overrides: list[str] | None = None) -> ReleaseConfig:
     path, data = _recipe_data(name_or_file)
-    data = deep_merge(data, parse_overrides(overrides or []))
-    for key, section in (("waivers", data), ("evaluate.declared_gates", data.get("evaluate"))):
+    sets = parse_overrides(overrides or [])
+    stated = deep_merge(data, sets)
+    for key, section in (("waivers", stated), ("evaluate.declared_gates", stated.get("evaluate"))):
         if isinstance(section, dict) and key.rsplit(".", 1)[-1] in section:
             raise ConfigError(f"recipe {path.name}: '{key}' is recorded by forgeline, not set by a recipe or --set")
-    return validate(ReleaseConfig, over_defaults(ReleaseConfig(), data), f"recipe {path.name}")
+    # `--set a.b.key=value` changes one key of whatever is in force, a mapping's too
+    return validate(ReleaseConfig, deep_merge(over_defaults(ReleaseConfig(), data), sets), f"recipe {path.name}")
 
 
 def gate_waivers(declared: ReleaseConfig, effective: ReleaseConfig) -> list[dict[str, Any]]:

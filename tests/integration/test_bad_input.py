@@ -158,7 +158,8 @@ def case_group_size_does_not_divide(d, ctx):
 @case("a shipped scheme without a perplexity gate limit", "no limit for scheme 'w4a16-gptq-g64'", code=2)
 def case_scheme_without_gate_limit(d, ctx):
     tiny = (ROOT / "tasks" / "recipes" / "tiny.yaml").read_text()  # (extends would merge the maps of limits)
-    return recipe_file(d, re.sub(r"max_quant_ppl_increase: \{.*\}", "max_quant_ppl_increase: {int8: 0.01}", tiny))
+    assert "\n  gates:\n" in tiny and "max_quant_ppl_increase" not in tiny  # the recipe states its limits whole
+    return recipe_file(d, tiny.replace("\n  gates:\n", "\n  gates:\n    max_quant_ppl_increase: {int8: 0.01}\n", 1))
 
 
 @case("`--set evaluate.gates.min_acceptance_length=0` without `--allow-weaker-gates`",
