@@ -48,8 +48,7 @@ from models.eagle3 import (
 from models.layers import Buffer, param
 from tasks.cli import PATH, stage_main
 from tasks.configs import DraftConfig
-from tasks.data.features import target_features
-from tasks.data.rows import load_hidden
+from tasks.data.features import load_hidden, target_features
 from tasks.layout import draft_dir, model_dir
 from tasks.stage import StageContext
 from tasks.training.checkpoints import Checkpoints

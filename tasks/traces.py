@@ -64,8 +64,8 @@ from models.generate import generate
 from tasks.cli import PATH, stage_main
 from tasks.code import code_version
 from tasks.configs import TracesConfig
-from tasks.data.features import hidden_for_rows
-from tasks.data.rows import COLUMNS, SPLITS, pack_answers, read_rows, write_hidden, write_rows
+from tasks.data.features import hidden_for_rows, write_hidden
+from tasks.data.rows import COLUMNS, SPLITS, pack_answers, read_rows, write_rows
 from tasks.layout import TOKENIZER_FILES, model_dir
 from tasks.stage import StageContext, write_report
 from tasks.training.config import Progress

@@ -1,16 +1,27 @@
 """The served model's EAGLE-3 features of packed rows, computed the same way offline (traces writes them
-to hidden-state files, tasks/data/rows.py) and online (draft training computes them per batch).
+to hidden-state files) and online (draft training computes them per batch), and those files:
+`hidden-<split>-NNNNN.safetensors` beside each packed-row shard, holding per row the `aux` features (the
+EAGLE-3 layers concatenated, [R, T, n·D]) and the `final` hidden state ([R, T, D]), in bfloat16 by
+default, with the layer ids and the format in the file's metadata.
 See docs/speculative-decoding.md (which target layers feed the draft, and why the final hidden state)."""
 
 from __future__ import annotations
 
 import functools
+import json
 from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from safetensors.numpy import save_file
+
+from models.hf import NUMPY_DTYPES, read_safetensors_header
+
+HIDDEN_FORMAT = "forgeline-traces-hidden/1"
 
 
 def target_features(model: nnx.Module, batch: Mapping[str, jax.Array],
@@ -60,3 +71,29 @@ def hidden_for_rows(model: nnx.Module, rows: Mapping[str, np.ndarray], aux_layer
 
 
 # -- shard persistence -----------------------------------------------------------------------------
+
+
+def _canonical(obj: Any) -> str:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str)
+
+
+def write_hidden(path: Path, hidden: Mapping[str, np.ndarray], aux_layer_ids: Sequence[int]) -> None:
+    """A hidden-state shard as safetensors (bfloat16 stored natively as BF16 through ml_dtypes)."""
+    # one metadata entry: safetensors writes several in hash order, and shards must be byte-reproducible
+    meta = {"forgeline": _canonical({"format": HIDDEN_FORMAT, "aux_layer_ids": list(aux_layer_ids),
+                                     "dtype": hidden["aux"].dtype.name})}
+    save_file({k: np.ascontiguousarray(v) for k, v in hidden.items()}, str(path), metadata=meta)
+
+
+def load_hidden(path: str | Path) -> dict[str, np.ndarray]:
+    """A hidden-state shard ({"aux": [R, T, n·D_t], "final": [R, T, D_t]}) as float32 arrays,
+    whatever dtype it was stored in (BF16 / F16 / F32)."""
+    header = read_safetensors_header(str(path))
+    start = header.pop("__data_start__")
+    raw = np.memmap(path, np.uint8, mode="r")
+    out = {}
+    for name, info in header.items():
+        begin, end = info["data_offsets"]
+        data = raw[start + begin : start + end].view(NUMPY_DTYPES[info["dtype"]])
+        out[name] = data.reshape(info["shape"]).astype(np.float32)
+    return out

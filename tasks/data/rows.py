@@ -6,24 +6,19 @@
   (restarting at 0 in every packed segment), `segment_ids` (1, 2, ... per packed segment; 0 = padding:
   attention stays within a segment), `loss_mask` (1 where `target_ids` is a loss target).
 - **Prompts** (`prompts.parquet`, data_prep): held-out prompts with their reference continuations.
-- **Hidden states** (`hidden/<split>-NNNNN.safetensors`, traces, read by draft training): per packed row,
-  the served model's `aux` features (the EAGLE-3 layers concatenated, [R, T, n·D]) and `final` hidden
-  state ([R, T, D]), in bfloat16, with the layer ids in the file's metadata.
+
+The hidden-state files that travel beside trace rows are in tasks/data/features.py.
 """
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-from safetensors.numpy import save_file
-
-from models.hf import NUMPY_DTYPES, read_safetensors_header
 
 ROW_SCHEMA = pa.schema([  # packed rows
     ("input_ids", pa.list_(pa.int32())),
@@ -39,7 +34,6 @@ PROMPT_SCHEMA = pa.schema([
 ])
 COLUMNS = tuple(ROW_SCHEMA.names)
 SPLITS = ("train", "valid")
-HIDDEN_FORMAT = "forgeline-traces-hidden/1"
 
 
 def rows_table(arrays: Mapping[str, np.ndarray]) -> pa.Table:
@@ -90,29 +84,3 @@ def pack_answers(sequences: Iterator[tuple[list[int], list[int]]], seq_len: int,
         cur["loss_mask"] += loss
     flush()
     return rows
-
-
-def _canonical(obj: Any) -> str:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str)
-
-
-def write_hidden(path: Path, hidden: Mapping[str, np.ndarray], aux_layer_ids: Sequence[int]) -> None:
-    """A hidden-state shard as safetensors (bfloat16 stored natively as BF16 through ml_dtypes)."""
-    # one metadata entry: safetensors writes several in hash order, and shards must be byte-reproducible
-    meta = {"forgeline": _canonical({"format": HIDDEN_FORMAT, "aux_layer_ids": list(aux_layer_ids),
-                                     "dtype": hidden["aux"].dtype.name})}
-    save_file({k: np.ascontiguousarray(v) for k, v in hidden.items()}, str(path), metadata=meta)
-
-
-def load_hidden(path: str | Path) -> dict[str, np.ndarray]:
-    """A hidden-state shard ({"aux": [R, T, n·D_t], "final": [R, T, D_t]}) as float32 arrays,
-    whatever dtype it was stored in (BF16 / F16 / F32)."""
-    header = read_safetensors_header(str(path))
-    start = header.pop("__data_start__")
-    raw = np.memmap(path, np.uint8, mode="r")
-    out = {}
-    for name, info in header.items():
-        begin, end = info["data_offsets"]
-        data = raw[start + begin : start + end].view(NUMPY_DTYPES[info["dtype"]])
-        out[name] = data.reshape(info["shape"]).astype(np.float32)
-    return out

@@ -81,7 +81,7 @@ def test_offline_hidden_states_are_the_models_forward(target, reference):
         assert report["shards"][split] == [f"{split}-{i:05d}.parquet" for i in range(n)]
         for i in range(n):
             rows = row_files.read_rows(out / f"{split}-{i:05d}.parquet")
-            hidden = row_files.load_hidden(out / f"hidden-{split}-{i:05d}.safetensors")
+            hidden = features.load_hidden(out / f"hidden-{split}-{i:05d}.safetensors")
             R, T = rows["input_ids"].shape
             total_rows += R
             assert T == CFG.seq_len and hidden["aux"].shape == (R, T, 3 * D) and hidden["final"].shape == (R, T, D)
@@ -107,11 +107,11 @@ def test_offline_hidden_states_are_the_models_forward(target, reference):
     rows = row_files.read_rows(out / "train-00000.parquet")
     bf16 = features.hidden_for_rows(model, rows, [0, 1, 2], "bfloat16", batch_size=4)
     assert bf16["aux"].dtype.name == "bfloat16"
-    row_files.write_hidden(out.parent / "bf16.safetensors", bf16, [0, 1, 2])
+    features.write_hidden(out.parent / "bf16.safetensors", bf16, [0, 1, 2])
     raw = (out.parent / "bf16.safetensors").read_bytes()
     assert b'"dtype":"BF16"' in raw[:400]
-    back = row_files.load_hidden(out.parent / "bf16.safetensors")
-    ref = row_files.load_hidden(out / "hidden-train-00000.safetensors")
+    back = features.load_hidden(out.parent / "bf16.safetensors")
+    ref = features.load_hidden(out / "hidden-train-00000.safetensors")
     for k in ("aux", "final"):
         assert back[k].dtype == np.float32
         np.testing.assert_allclose(back[k], ref[k], rtol=2**-8, atol=1e-6)
