@@ -67,17 +67,23 @@ def lazy_exports(package: str, packages: tuple[str, ...] = LIBRARIES) -> dict[st
 @cache
 def imports(module: str, packages: tuple[str, ...] = LIBRARIES) -> frozenset[str]:
     """The modules of `packages` that `module` imports anywhere in its body (imports inside functions
-    included; `import pkg` of a package with a `_LAZY` table counts every module the table names,
-    `from pkg import name` the one module that defines `name`)."""
+    included). Through a package whose __init__ defers its imports (a `_LAZY` table of name -> module,
+    PEP 562), only what is used counts: `from models import from_pretrained` is models.hf, and after
+    `import models`, `models.lora.apply_lora` is models.lora."""
     known = modules(packages)
     path = known[module]
     out: set[str] = set()
-    for node in ast.walk(_tree(path)):
+    bound: dict[str, str] = {}  # local name -> the package or module an `import` statement bound to it
+    tree = _tree(path)
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             for a in node.names:
                 if (r := _resolve(a.name, known)):
                     out.add(r)
-                    out |= set(lazy_exports(r, packages).values())
+                    if a.asname:
+                        bound[a.asname] = r
+                    else:  # `import a.b.c` binds `a`
+                        bound[a.name.split(".")[0]] = a.name.split(".")[0]
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
@@ -87,10 +93,27 @@ def imports(module: str, packages: tuple[str, ...] = LIBRARIES) -> frozenset[str
                 full = f"{base}.{a.name}"
                 if full in known:
                     out.add(full)
+                    bound[a.asname or a.name] = full
                 elif (lazy := lazy_exports(base, packages).get(a.name)) is not None:
                     out.add(lazy)
                 elif (r := _resolve(base, known)):
                     out.add(r)
+    for node in ast.walk(tree):  # attribute chains on bound names: models.lora.x, quant.parse_scheme
+        if isinstance(node, ast.Attribute):
+            chain = []
+            while isinstance(node, ast.Attribute):
+                chain.append(node.attr)
+                node = node.value
+            if isinstance(node, ast.Name) and node.id in bound:
+                name = bound[node.id]
+                for attr in reversed(chain):
+                    if f"{name}.{attr}" in known:
+                        name = f"{name}.{attr}"
+                        out.add(name)
+                    else:
+                        if (lazy := lazy_exports(name, packages).get(attr)) is not None:
+                            out.add(lazy)
+                        break
     # importing a.b.c runs a/__init__.py and a/b/__init__.py first
     out |= {p for m in list(out) for p in _parents(m) if p in known}
     out.discard(module)
