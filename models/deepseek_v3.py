@@ -45,9 +45,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.decoder import MLP, Context, DecoderLayer, DecoderLM, MTPLayer
+from models.decoder import Context, DecoderLayer, DecoderLM, MTPLayer
 from models.generate import KVCache
 from models.layers import (
+    MLP,
     Linear,
     RMSNorm,
     apply_rope,

@@ -47,11 +47,12 @@ import numpy as np
 import safetensors.numpy
 from flax import nnx
 
-from models.decoder import MLP, Context, build_context
+from models.decoder import Context, build_context
 from models.generate import KVCache
 from models.hf import SafetensorsCheckpoint, load_config, readable_dir, writable_dir
 from models.layers import (
     INIT_STD,
+    MLP,
     NEG_INF,
     Buffer,
     Linear,
