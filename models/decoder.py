@@ -133,7 +133,7 @@ def build_context(
 
 
 # ------------------------------------------------------------------------------------------------
-# Attention (GQA with the optional pieces of every non-MLA family) and the SwiGLU MLP
+# Attention (GQA with the optional pieces of every non-MLA family)
 # ------------------------------------------------------------------------------------------------
 
 
@@ -184,21 +184,6 @@ class GQAttention(nnx.Module):
         sinks = None if self.sinks is None else self.sinks[...]
         out = attention(q, k, v, ctx.mask(window), causal=ctx.causal, sinks=sinks)  # [B, T, N, H]
         return self.o_proj(out.reshape(B, T, N * H)), cache
-
-
-class MLP(nnx.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)); gate/up [D, F], down [F, D]."""
-
-    def __init__(self, hidden_size: int, intermediate_size: int, *, use_bias: bool = False, rngs: nnx.Rngs,
-                 dtype: Any, param_dtype: Any):
-        D, F = hidden_size, intermediate_size
-        kw = dict(use_bias=use_bias, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
-        self.gate_proj = Linear(D, F, axes=("embed", "mlp"), **kw)
-        self.up_proj = Linear(D, F, axes=("embed", "mlp"), **kw)
-        self.down_proj = Linear(F, D, axes=("mlp", "embed"), **kw)
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nnx.Module):

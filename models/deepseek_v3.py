@@ -45,10 +45,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.decoder import MLP, Context, DecoderLayer, DecoderLM, MTPLayer
+from models.decoder import Context, DecoderLayer, DecoderLM, MTPLayer
 from models.flops import LayerFlops, routed_ffn, swiglu
 from models.generate import KVCache
 from models.layers import (
+    MLP,
     Linear,
     RMSNorm,
     apply_rope,

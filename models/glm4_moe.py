@@ -41,9 +41,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.decoder import MLP, DecoderLayer, DecoderLM, GQAttention, MTPLayer
+from models.decoder import DecoderLayer, DecoderLM, GQAttention, MTPLayer
 from models.flops import LayerFlops, gqa_layer, routed_ffn, swiglu
-from models.layers import rope_config_from_hf, rope_cos_sin, rope_frequencies
+from models.layers import MLP, rope_config_from_hf, rope_cos_sin, rope_frequencies
 from models.moe import sigmoid_moe
 
 ARCHITECTURE = "Glm4MoeForCausalLM"

@@ -39,8 +39,8 @@ import safetensors.numpy
 from flax import nnx
 
 from models import quant, registry
-from models.formats import DequantizingCheckpoint
 from models.layers import Buffer, Embed, Linear, RMSNorm, hf_name
+from models.quant.formats import DequantizingCheckpoint
 
 log = logging.getLogger(__name__)
 

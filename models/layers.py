@@ -216,6 +216,26 @@ class RMSNorm(nnx.Module):
 
 
 # ------------------------------------------------------------------------------------------------
+# The SwiGLU MLP (dense layers, shared experts, the EAGLE-3 draft layer)
+# ------------------------------------------------------------------------------------------------
+
+
+class MLP(nnx.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)); gate/up [D, F], down [F, D]."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, *, use_bias: bool = False, rngs: nnx.Rngs,
+                 dtype: Any, param_dtype: Any):
+        D, F = hidden_size, intermediate_size
+        kw = dict(use_bias=use_bias, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.gate_proj = Linear(D, F, axes=("embed", "mlp"), **kw)
+        self.up_proj = Linear(D, F, axes=("embed", "mlp"), **kw)
+        self.down_proj = Linear(F, D, axes=("mlp", "embed"), **kw)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+# ------------------------------------------------------------------------------------------------
 # Rotary embeddings (NeoX halves), computed once per forward call and shared by every layer
 # ------------------------------------------------------------------------------------------------
 

@@ -25,9 +25,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models.decoder import MLP, DecoderLayer, DecoderLM, GQAttention
+from models.decoder import DecoderLayer, DecoderLM, GQAttention
 from models.flops import LayerFlops, gqa_layer, swiglu
-from models.layers import rope_config_from_hf, rope_cos_sin, rope_frequencies
+from models.layers import MLP, rope_config_from_hf, rope_cos_sin, rope_frequencies
 
 ARCH_TO_MODEL_TYPE = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"}
 MODEL_TYPE_TO_ARCH = {v: k for k, v in ARCH_TO_MODEL_TYPE.items()}

@@ -32,8 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from models.decoder import MLP
-from models.layers import INIT_STD, Buffer, dequantize, param
+from models.layers import INIT_STD, MLP, Buffer, dequantize, param
 
 # ------------------------------------------------------------------------------------------------
 # Routers

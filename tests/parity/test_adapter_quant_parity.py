@@ -30,8 +30,9 @@ from models import (
     save_peft_adapter,
     save_pretrained,
 )
+from models.layers import Linear
 from models.lora import lora_linears
-from models.quant import Linear, quant_units, scheme_of, to_compressed_tensors
+from models.quant import quant_units, scheme_of, to_compressed_tensors
 
 pytestmark = pytest.mark.parity
 IDS = np.random.default_rng(0).integers(0, 128, (2, 16)).astype(np.int32)

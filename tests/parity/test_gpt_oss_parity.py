@@ -28,9 +28,9 @@ from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRMSNorm, GptOssRotaryEmbedding
 
 from models import KVCache, from_pretrained, jit_forward, save_pretrained
-from models.formats import dequant_mxfp4
 from models.gpt_oss import DEFAULT_YARN, GptOss, GptOssConfig
 from models.layers import rope_frequencies
+from models.quant.formats import dequant_mxfp4
 
 pytestmark = pytest.mark.parity
 TOL = 1e-4

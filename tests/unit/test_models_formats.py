@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers.integrations.finegrained_fp8 import _dequantize_fp8_weight
 
-from models.formats import DequantizingCheckpoint, dequant_fp8_block
+from models.quant.formats import DequantizingCheckpoint, dequant_fp8_block
 
 pytestmark = pytest.mark.unit
 

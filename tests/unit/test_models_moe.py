@@ -136,7 +136,7 @@ def test_experts_hf_layouts_round_trip():
 
 
 def test_moe_block_adds_shared_expert():
-    from models.decoder import MLP
+    from models.layers import MLP
 
     D = 16
     router = Router(D, 8, 2, scoring="sigmoid", rngs=nnx.Rngs(0))

@@ -14,8 +14,8 @@ import safetensors.numpy
 import torch
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
-from models.formats import FP4_VALUES, DequantizingCheckpoint, dequant_mxfp4
 from models.hf import SafetensorsCheckpoint
+from models.quant.formats import FP4_VALUES, DequantizingCheckpoint, dequant_mxfp4
 
 pytestmark = pytest.mark.unit
 

@@ -16,7 +16,7 @@ from compressed_tensors.quantization.lifecycle.forward import dequantize as ct_d
 from compressed_tensors.quantization.lifecycle.forward import quantize as ct_quantize
 from compressed_tensors.quantization.utils.helpers import calculate_qparams
 
-from models.quantizers import (
+from models.quant.quantizers import (
     IntArgs,
     QTensor,
     awq_search,

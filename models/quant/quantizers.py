@@ -11,15 +11,19 @@ Conventions mirrored:
   `[-2**(b-1), 2**(b-1)-1]`, symmetric `scale = amax / (bit_range / 2)`, asymmetric
   `scale = (max - min) / bit_range`, `zero = round(clamp(qmin - min / scale))` (int8, signed), min/max
   widened to include 0, zero scales replaced by float32 eps; `q = round(clamp(w / scale + zero))`,
-  `w = (q - zero) * scale`. See /work/shared/reference/speculative-and-quantization-formats.md §B2.
-* GPTQ (Frantar et al. 2022) as in llm-compressor `modifiers/quantization/gptq/gptq_quantize.py`: dead
-  columns, `dampening_frac * mean(diag H)` damping, upper Cholesky of H⁻¹, lazy-batch blocks; group params
-  either dynamic (computed when the loop reaches a group's first column, standard GPTQ) or static with
-  `actorder="weight"` (params from the original weights, columns processed by descending diag(H)).
-* AWQ (Lin et al. 2023) `auto_scale` as in AutoAWQ / llm-compressor `modifiers/awq/base.py`: grid search
-  over `s = x_absmean**r`, loss = output MSE over the calibration tokens, here `Σ tr(ΔW H ΔWᵀ)`.
-* FP8 block (DeepSeek-V3 / compressed-tensors FP8_BLOCK, §B2.4 / §B5): per 128x128 tile
+  `w = (q - zero) * scale`. See docs/formats/compressed-tensors.md.
+* GPTQ (Frantar et al. 2022, arXiv:2210.17323) as in llm-compressor
+  `modifiers/quantization/gptq/gptq_quantize.py`: dead columns, `dampening_frac * mean(diag H)` damping,
+  upper Cholesky of H⁻¹, lazy-batch blocks; group params either dynamic (computed when the loop reaches a
+  group's first column, standard GPTQ) or static with `actorder="weight"` (params from the original
+  weights, columns processed by descending diag(H)).
+* AWQ (Lin et al. 2023, arXiv:2306.00978) `auto_scale` as in AutoAWQ / llm-compressor
+  `modifiers/awq/base.py`: grid search over `s = x_absmean**r`, loss = output MSE over the calibration
+  tokens, here `Σ tr(ΔW H ΔWᵀ)`.
+* FP8 block (DeepSeek-V3 / compressed-tensors FP8_BLOCK; docs/formats/deepseek-fp8.md): per 128x128 tile
   `scale = amax / 448`, `q = e4m3(w / scale)`, dequantization multiplies.
+
+See docs/quantization.md (RTN, GPTQ, AWQ).
 """
 
 from __future__ import annotations

@@ -1,15 +1,13 @@
-"""Dequantisation on load of published checkpoint formats: DeepSeek FP8 block weights and GPT-OSS
-MXFP4 experts, presented to the loader as the float tensors transformers would hold.
-
-Reference: /work/shared/reference/architectures.md §6.9 (FP8: `W · weight_scale_inv` per 128×128
-tile, edge tiles zero-padded — the scale multiplies despite its name), §8.6–8.7 (MXFP4: two E2M1
-codes per byte, low nibble first, one E8M0 scale per 32 values, exponent = byte − 127; transformers
-`integrations/mxfp4.py` transposes the decoded [E, out, in] to its [E, in, out] layout) and
-§11 pitfall 13.
+"""Dequantisation on load of published checkpoints: a {name: array} view that presents DeepSeek FP8
+block weights (models/quant/formats/deepseek_fp8.py) and GPT-OSS MXFP4 experts
+(models/quant/formats/mxfp4.py) as the float tensors transformers would hold after loading them
+(transformers `integrations/finegrained_fp8.py`, `integrations/mxfp4.py`).
 
     view = DequantizingCheckpoint(SafetensorsCheckpoint(folder))
     view["model.layers.0.self_attn.q_a_proj.weight"]     # float32, scale_inv applied
     view["model.layers.0.mlp.experts.gate_up_proj"]      # float32 [E, D, 2I] from _blocks/_scales
+
+See docs/formats/deepseek-fp8.md.
 """
 
 from __future__ import annotations
@@ -18,39 +16,8 @@ from collections.abc import Iterator, Mapping
 
 import numpy as np
 
-FP8_BLOCK = (128, 128)
-SCALE_INV_SUFFIX = "_scale_inv"  # "<module>.weight_scale_inv" next to "<module>.weight"
-FP4_VALUES = np.array([+0.0, +0.5, +1.0, +1.5, +2.0, +3.0, +4.0, +6.0,
-                       -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
-
-
-def dequant_fp8_block(weight: np.ndarray, scale_inv: np.ndarray,
-                      block: tuple[int, int] = FP8_BLOCK) -> np.ndarray:
-    """weight [M, N] float8_e4m3fn, scale_inv [ceil(M/bm), ceil(N/bn)] -> float32 [M, N]."""
-    M, N = weight.shape
-    bm, bn = block
-    expected = (-(-M // bm), -(-N // bn))
-    if tuple(scale_inv.shape) != expected:
-        raise ValueError(f"weight_scale_inv has shape {list(scale_inv.shape)}, expected {list(expected)} "
-                         f"for a {[M, N]} weight in {bm}x{bn} blocks")
-    scale = np.repeat(np.repeat(scale_inv.astype(np.float32), bm, axis=0), bn, axis=1)[:M, :N]
-    return weight.astype(np.float32) * scale
-
-
-def dequant_mxfp4(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
-    """blocks [..., G, 16] uint8, scales [..., G] uint8 (E8M0) -> float32 [..., G * 32].
-
-    Each byte holds two FP4 codes: the low nibble is the even element, the high nibble the odd one.
-    """
-    blocks = np.asarray(blocks).view(np.uint8)
-    scales = np.asarray(scales).view(np.uint8)
-    if blocks.shape[:-1] != scales.shape:
-        raise ValueError(f"MXFP4 blocks {list(blocks.shape)} do not match scales {list(scales.shape)}")
-    out = np.empty((*blocks.shape[:-1], blocks.shape[-1] * 2), np.float32)  # [..., G, 32]
-    out[..., 0::2] = FP4_VALUES[blocks & 0x0F]
-    out[..., 1::2] = FP4_VALUES[blocks >> 4]
-    out = np.ldexp(out, scales.astype(np.int32)[..., None] - 127)
-    return out.reshape(*blocks.shape[:-2], -1)
+from models.quant.formats.deepseek_fp8 import SCALE_INV_SUFFIX, dequant_fp8_block
+from models.quant.formats.mxfp4 import dequant_mxfp4
 
 
 class DequantizingCheckpoint(Mapping):

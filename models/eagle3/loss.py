@@ -1,0 +1,131 @@
+"""The EAGLE-3 training-time-test (TTT) loss: the draft is unrolled `steps` times on its own outputs
+(no cache), each step attending to the step-0 keys of the prefix plus the same position's keys of the
+earlier steps, and every step is scored against the target's distribution restricted to the draft
+vocabulary, with weight decay^k.
+
+Mirrors EAGLE-3's training-time test (arXiv:2503.01840) as SpecForge and vllm-project/speculators
+(`models/eagle3/core.py`) train it. See docs/speculative-decoding.md (TTT loss).
+
+Shape legend: B batch, T length, D draft width, D_t target width, N heads, K kv heads, G = N/K, H head
+dim, V target vocab, Vd draft vocab, k TTT step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from models.decoder import build_context
+from models.eagle3.model import Eagle3Draft
+from models.layers import NEG_INF
+
+
+def _shift(x: jax.Array, s: int) -> jax.Array:
+    """x[:, s:] padded at the end with zeros (False) back to length T: row p holds x[p + s]. [B, T, ...]"""
+    T = x.shape[1]
+    if s >= T:
+        return jnp.zeros_like(x)
+    pad = [(0, 0), (0, s)] + [(0, 0)] * (x.ndim - 2)
+    return jnp.pad(x[:, s:], pad)
+
+
+def ttt_attention(q: jax.Array, k0: jax.Array, v0: jax.Array, mask0: jax.Array,
+                  k_diag: Sequence[jax.Array], v_diag: Sequence[jax.Array]) -> jax.Array:
+    """Attention of TTT step k without a cache: query p sees the step-0 keys k0 allowed by `mask0`
+    (causal within its segment) plus the same position's keys from steps 1..k (`k_diag`), all in one
+    softmax. Scores: [B, K, G, T, T] for step 0 plus one diagonal column per earlier step.
+
+    q [B, T, N, H] (rotated, unscaled), k0 / v0 [B, T, K, H], mask0 [B, T, T], k_diag / v_diag: k
+    arrays [B, T, K, H] -> [B, T, N, H]. Softmax in fp32; a query with no allowed key (padding at
+    step 0) gets a uniform distribution, as in models.layers.attention.
+    """
+    B, T, N, H = q.shape
+    K = k0.shape[2]
+    q = (q * jnp.asarray(H**-0.5, q.dtype)).reshape(B, T, K, N // K, H)  # [B, T, K, G, H]
+    s0 = jnp.einsum("btkgh,bskh->bkgts", q, k0).astype(jnp.float32)  # [B, K, G, T, T]
+    s0 = jnp.where(mask0[:, None, None], s0, NEG_INF)
+    cols = [jnp.einsum("btkgh,btkh->bkgt", q, kj).astype(jnp.float32)[..., None] for kj in k_diag]  # [B,K,G,T,1]
+    probs = jax.nn.softmax(jnp.concatenate([s0, *cols], axis=-1), axis=-1).astype(v0.dtype)  # [B, K, G, T, T+k]
+    out = jnp.einsum("bkgts,bskh->btkgh", probs[..., :T], v0)  # [B, T, K, G, H]
+    for j, vj in enumerate(v_diag):
+        out = out + jnp.einsum("bkgt,btkh->btkgh", probs[..., T + j], vj)
+    return out.reshape(B, T, N, H)
+
+
+def ttt_unroll(draft: Eagle3Draft, token_ids: jax.Array, features: jax.Array, *, positions: jax.Array,
+               segment_ids: jax.Array | None, steps: int) -> Iterator[jax.Array]:
+    """Yield the draft logits [B, T, Vd] of TTT steps 0..steps-1 (no cache, one pass per step).
+
+    Step k at position p: token token_ids[p + k] (0 past the end), f = fc(features_p) at k = 0 else
+    the step k-1 output at p, rotary position positions[p] + k; attention over the step-0 keys of
+    positions <= p in p's segment plus p's own keys from steps 1..k (the diagonal extension).
+    """
+    B, T = token_ids.shape
+    attn, layer = draft.midlayer.self_attn, draft.midlayer
+    ctx, _ = build_context(T, B, positions=positions, segment_ids=segment_ids, cache=None, windows=set())
+    mask0 = ctx.mask()  # [B, T, T] causal within segments
+    f = draft.fuse(features)  # [B, T, D]
+    k0 = v0 = None
+    k_diag: list[jax.Array] = []
+    v_diag: list[jax.Array] = []
+    for k in range(steps):
+        cos, sin = draft.rope(ctx.positions + k)
+        emb = draft.embed_tokens(_shift(token_ids, k))  # [B, T, D]
+        q, kk, vv = attn.project(layer.attn_input(emb, f), cos, sin)
+        if k == 0:
+            k0, v0 = kk, vv
+        else:
+            k_diag.append(kk)
+            v_diag.append(vv)
+        o = ttt_attention(q, k0, v0, mask0, k_diag, v_diag)  # [B, T, N, H]
+        f = layer.finish(f, attn.o_proj(o.reshape(B, T, -1)))  # [B, T, D]: the next step's input
+        yield draft.lm_head(draft.norm(f))  # [B, T, Vd]
+
+
+def ttt_loss(draft: Eagle3Draft, batch: Mapping[str, jax.Array], features: jax.Array, target_logits: jax.Array,
+             *, steps: int = 7, decay: float = 0.8) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """EAGLE-3 training-time-test loss over one packed batch (jit / grad friendly, no cache).
+
+    batch: data_prep's packed columns `target_ids`, `positions`, `segment_ids`, `loss_mask` [B, T]
+    (target_ids[p] = t_{p+1}); features [B, T, num_aux·D_t]; target_logits [B, T, V] (the target's
+    logits at every position).
+
+    Step k at position p (see `ttt_unroll`) consumes target_ids[p + k] and is scored against
+    softmax(target_logits[p + 1 + k]) over the draft vocabulary (columns `target_token_ids`,
+    renormalised), under the mask m = loss_mask[p + 1 + k] ∧ (p + 1 + k in p's segment) ∧ (the
+    target's full-vocabulary argmax there is in the draft vocabulary).
+
+    Returns (Σ_k decay^k Σ_{b,p} m · (−Σ_v P_v log Q_v), stats) with stats (each [steps], fp32):
+    `loss` the unweighted per-step sums, `acc_num` masked positions where the draft argmax equals
+    the restricted target argmax, `acc_den` masked positions. The caller divides by its token count.
+    """
+    if steps < 1:
+        raise ValueError("steps must be >= 1")
+    ids, positions = batch["target_ids"], batch["positions"]
+    seg, loss_mask = batch["segment_ids"], batch["loss_mask"] != 0
+
+    # labels, once: the target restricted to the draft vocabulary (ascending target ids == t2d columns)
+    full = target_logits.astype(jnp.float32)  # [B, T, V]
+    restricted = jnp.take(full, draft.target_token_ids, axis=-1)  # [B, T, Vd]
+    probs = jax.nn.softmax(restricted, axis=-1)  # [B, T, Vd]
+    label_arg = jnp.argmax(restricted, axis=-1)  # [B, T]
+    in_draft = jnp.take(draft.t2d[...], jnp.argmax(full, axis=-1))  # [B, T] bool
+    scored = loss_mask & in_draft  # [B, T]: position q may be a label
+
+    total = jnp.zeros((), jnp.float32)
+    losses, nums, dens = [], [], []
+    for k, logits in enumerate(ttt_unroll(draft, ids, features, positions=positions, segment_ids=seg, steps=steps)):
+        s = 1 + k  # label position offset
+        m = (_shift(scored, s) & (_shift(seg, s) == seg) & (seg != 0)).astype(jnp.float32)  # [B, T]
+        logits = logits.astype(jnp.float32)
+        ce = -jnp.sum(_shift(probs, s) * jax.nn.log_softmax(logits, axis=-1), axis=-1)  # [B, T]
+        loss_k = jnp.sum(m * ce)
+        correct = (jnp.argmax(logits, axis=-1) == _shift(label_arg, s)).astype(jnp.float32)
+        total = total + (decay**k) * loss_k
+        losses.append(loss_k)
+        nums.append(jnp.sum(m * correct))
+        dens.append(jnp.sum(m))
+    stats = {"loss": jnp.stack(losses), "acc_num": jnp.stack(nums), "acc_den": jnp.stack(dens)}
+    return total, stats

@@ -1,0 +1,162 @@
+"""AWQ (arXiv:2306.00978): per-input-channel scales s, searched on the calibration statistics
+(models/quant/quantizers.py `awq_search`) and folded into the op before each group of Linears, so that
+the Linears quantize W·diag(s) while the model computes the same function.
+
+The folds, as llm-compressor's `modifiers/awq/mappings.py` pairs a smoothing op with the layers it
+balances: the RMSNorm before q/k/v (or MLA's q_a / kv_a projections) and before the MLP or experts (the
+routers get the inverse scale, so routing is unchanged), MLA's q_a / kv_a norms, and the up projection
+before each down projection (SwiGLU only). The attention output projection has no foldable predecessor
+under GQA and is quantized by RTN, as AutoAWQ does. See docs/quantization.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from models.layers import Linear, RMSNorm
+from models.moe import Experts
+from models.quant import quantizers as Q
+from models.quant.calibration import Stats
+from models.quant.schemes import Options, Scheme
+from models.quant.targets import Unit, _module
+
+
+def _scale_norm(norm: RMSNorm, s: np.ndarray) -> None:
+    norm.weight[...] = (norm.weight[...].astype(jnp.float32) / jnp.asarray(s)).astype(norm.weight[...].dtype)
+
+
+def _scale_in(lin: Linear, s: np.ndarray) -> None:
+    """Linear input channel i multiplied by s[i] (its input will arrive divided by s)."""
+    lin.kernel[...] = (lin.kernel[...].astype(jnp.float32) * jnp.asarray(s)[:, None]).astype(lin.kernel[...].dtype)
+
+
+def _scale_out(lin: Linear, s: np.ndarray) -> None:
+    """Linear output channel j divided by s[j] (bias too)."""
+    lin.kernel[...] = (lin.kernel[...].astype(jnp.float32) / jnp.asarray(s)[None, :]).astype(lin.kernel[...].dtype)
+    if lin.bias is not None:
+        lin.bias[...] = (lin.bias[...].astype(jnp.float32) / jnp.asarray(s)).astype(lin.bias[...].dtype)
+
+
+def _hf(lin: Linear) -> np.ndarray:
+    return np.asarray(lin.kernel[...], np.float32).T  # [out, in]
+
+
+def awq_layer(layer: nnx.Module, i: int, stats: dict[str, Stats], units: Sequence[Unit], scheme: Scheme,
+              opts: Options) -> list[dict[str, Any]]:
+    """Search and fold AWQ scales for decoder layer i in place; update `stats` to the scaled inputs.
+    Returns one row per folded group (where to, the best loss vs plain RTN's)."""
+    quantized = {u.name for u in units}
+    pre = f"model.layers.{i}"
+    rows: list[dict[str, Any]] = []
+
+    def search(pairs: list[tuple[np.ndarray, np.ndarray]], absmean: np.ndarray) -> tuple[np.ndarray, float, float]:
+        s, loss = Q.awq_search(pairs, absmean, scheme.args, grid=opts.awq_grid)
+        rtn_loss = Q.awq_loss(pairs, np.ones_like(absmean), scheme.args)
+        return np.asarray(s, np.float32), float(loss), float(rtn_loss)
+
+    def linear_group(fold: str, before: Any, names: list[str]) -> None:
+        """`names`: every Linear reading `before`'s output. The search runs over the quantized ones; all
+        of them (ignored ones too, which stay float) take the scale, so the fold is exact."""
+        qnames = [n for n in names if n in quantized and n in stats]
+        if not qnames or stats[qnames[0]].n <= 0:
+            return
+        st = stats[qnames[0]]
+        s, loss, rtn_loss = search([(_hf(_module(layer, n[len(pre) + 1:])), st.H) for n in qnames], st.absmean())
+        for n in names:
+            _scale_in(_module(layer, n[len(pre) + 1:]), s)
+        before(s)
+        for n in qnames:
+            stats[n] = stats[n].scaled(s)
+        rows.append({"fold": fold, "modules": qnames, "loss": loss, "rtn_loss": rtn_loss})
+
+    attn = layer.self_attn
+    norm_in = lambda s: _scale_norm(layer.input_layernorm, s)  # noqa: E731
+    if hasattr(attn, "q_proj") and hasattr(attn, "k_proj"):  # GQA families
+        linear_group(f"{pre}.input_layernorm", norm_in,
+                     [f"{pre}.self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj")])
+    elif hasattr(attn, "kv_a_proj_with_mqa"):  # MLA
+        first = "q_proj" if getattr(attn, "q_proj", None) is not None else "q_a_proj"
+        linear_group(f"{pre}.input_layernorm", norm_in, [f"{pre}.self_attn.{p}" for p in (first, "kv_a_proj_with_mqa")])
+        if first == "q_a_proj":
+            linear_group(f"{pre}.self_attn.q_a_layernorm", lambda s: _scale_norm(attn.q_a_layernorm, s),
+                         [f"{pre}.self_attn.q_b_proj"])
+        linear_group(f"{pre}.self_attn.kv_a_layernorm", lambda s: _scale_norm(attn.kv_a_layernorm, s),
+                     [f"{pre}.self_attn.kv_b_proj"])
+    norm_post = lambda s: _scale_norm(layer.post_attention_layernorm, s)  # noqa: E731
+    mlp = layer.mlp
+    if hasattr(mlp, "gate_proj"):  # dense SwiGLU
+        _mlp_groups(linear_group, f"{pre}.mlp", mlp, norm_post)
+    elif hasattr(mlp, "experts"):
+        rows += _awq_moe(mlp, f"{pre}.mlp", stats, quantized, norm_post, linear_group, search)
+    return rows
+
+
+def _mlp_groups(linear_group: Any, prefix: str, mlp: nnx.Module, before: Any) -> None:
+    linear_group(f"{prefix}: post_attention_layernorm", before,
+                 [f"{prefix}.gate_proj", f"{prefix}.up_proj"])
+    linear_group(f"{prefix}.up_proj", lambda s: _scale_out(mlp.up_proj, s), [f"{prefix}.down_proj"])
+
+
+def _awq_moe(moe: nnx.Module, prefix: str, stats: dict[str, Stats], quantized: set[str], norm_post: Any,
+             linear_group: Any, search: Any) -> list[dict[str, Any]]:
+    """AWQ for an MoE block: one scale for everything reading the normed input (all experts' gate/up,
+    the shared experts' gate/up), folded into post_attention_layernorm with the router compensated; then
+    per expert, a scale for down_proj folded into that expert's up projection (SwiGLU experts only)."""
+    ex: Experts = moe.experts
+    name = f"{prefix}.experts"
+    shared = getattr(moe, "shared_experts", None)
+    sh = f"{prefix}.shared_experts"
+    rows: list[dict[str, Any]] = []
+    if name not in quantized or f"{name}.gate_up" not in stats:
+        return rows
+    st = stats[f"{name}.gate_up"]
+    gu = np.array(ex.gate_up[...], np.float32)  # [E, D, 2I] (a writable copy)
+    pairs = [(gu[e].T, st.H[e]) for e in range(ex.num_experts) if st.n[e] > 0]
+    shared_names = [n for n in (f"{sh}.gate_proj", f"{sh}.up_proj") if n in quantized and n in stats]
+    if shared is not None and shared_names:
+        pairs += [(_hf(getattr(shared, n.rsplit(".", 1)[1])), stats[n].H) for n in shared_names]
+    pooled = st.pooled()
+    if pairs and pooled.n > 0:
+        s, loss, rtn_loss = search(pairs, pooled.absmean())
+        ex.gate_up[...] = jnp.asarray(gu * s[None, :, None], ex.gate_up[...].dtype)
+        if shared is not None:  # the shared experts read the same normed input: scaled too, quantized or not
+            _scale_in(shared.gate_proj, s)
+            _scale_in(shared.up_proj, s)
+        for n in shared_names:
+            stats[n] = stats[n].scaled(s)
+        norm_post(s)
+        router = getattr(moe, moe.router_name)
+        router.weight[...] = (router.weight[...].astype(jnp.float32) * jnp.asarray(s)[None, :]
+                              ).astype(router.weight[...].dtype)  # router input x/s, weights W s: same logits
+        stats[f"{name}.gate_up"] = Stats(st.H / (s[:, None] * s[None, :])[None], st.abs_sum / s[None], st.n)
+        rows.append({"fold": f"{prefix} post_attention_layernorm (+ router)", "modules": [name, *shared_names],
+                     "loss": loss, "rtn_loss": rtn_loss})
+    if ex.activation == "silu" and f"{name}.down_proj" in stats:
+        sd = stats[f"{name}.down_proj"]
+        I = ex.intermediate_size
+        gu = np.array(ex.gate_up[...], np.float32)
+        down = np.array(ex.down[...], np.float32)  # [E, I, D]
+        H, A = sd.H.copy(), sd.abs_sum.copy()
+        total, total_rtn = 0.0, 0.0
+        for e in range(ex.num_experts):
+            if sd.n[e] <= 0:
+                continue
+            s, loss, rtn_loss = search([(down[e].T, sd.H[e])], sd.absmean()[e])
+            down[e] *= s[:, None]
+            gu[e, :, I:] /= s[None, :]  # up's output channels (gate's stay): h = silu(gate) · up / s
+            H[e] = sd.H[e] / (s[:, None] * s[None, :])
+            A[e] = sd.abs_sum[e] / s
+            total, total_rtn = total + loss, total_rtn + rtn_loss
+        ex.gate_up[...] = jnp.asarray(gu, ex.gate_up[...].dtype)
+        ex.down[...] = jnp.asarray(down, ex.down[...].dtype)
+        stats[f"{name}.down_proj"] = Stats(H, A, sd.n)
+        rows.append({"fold": f"{name}.*.up_proj", "modules": [f"{name}.*.down_proj"], "loss": total,
+                     "rtn_loss": total_rtn})
+    if shared is not None:
+        linear_group(f"{sh}.up_proj", lambda s: _scale_out(shared.up_proj, s), [f"{sh}.down_proj"])
+    return rows

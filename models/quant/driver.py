@@ -1,0 +1,179 @@
+"""Quantize a model: `quantize_model` runs the whole post-training pass in place, the way llm-compressor's
+`oneshot` (`entrypoints/oneshot.py`) runs its quantization modifiers over a model.
+
+    scheme = parse_scheme("w4a16-gptq")                       # models/quant/schemes.py
+    report = quantize_model(model, scheme, calibration)       # in place; calibration: [(ids, segment_ids)]
+    save_pretrained(model, "out/")                            # compressed-tensors (models/quant/formats/)
+
+Per decoder layer: collect the calibration statistics (models/quant/calibration.py), fold AWQ scales
+(models/quant/awq.py), quantize every selected module (models/quant/targets.py) by FP8 blocks, GPTQ
+(arXiv:2210.17323) or RTN (models/quant/quantizers.py), then feed the quantized layer's output on. An
+expert with fewer than `expert_min_tokens` routed tokens falls back to the layer's statistics pooled over
+all its experts (reported per expert); every selected module must come out quantized. The report has one
+row per module: method, tokens, relative weight and output error. See docs/quantization.md.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from models.layers import Linear, hf_name
+from models.moe import Experts
+from models.quant import quantizers as Q
+from models.quant.awq import awq_layer
+from models.quant.calibration import Stats, _layer_forward, calibration_tokens, collect_stats
+from models.quant.schemes import FP8_BLOCK, Options, Scheme, parse_scheme
+from models.quant.state import QMatrix, set_experts, set_linear
+from models.quant.targets import Unit, check_supported, is_quantized, quant_units
+
+# ------------------------------------------------------------------------------------------------
+# Quantizing one matrix
+# ------------------------------------------------------------------------------------------------
+
+
+def quantize_matrix(w: np.ndarray, stats: Stats | None, scheme: Scheme, opts: Options) -> tuple[QMatrix, str]:
+    """w [out, in] float32 -> (QMatrix, the algorithm used: fp8-block, gptq or rtn). GPTQ without
+    calibration tokens falls back to RTN; AWQ's weights arrive already scaled and are rounded by RTN."""
+    if scheme.kind == "fp8-block":
+        q, s = Q.fp8_block(w, (FP8_BLOCK, FP8_BLOCK))
+        return QMatrix(np.asarray(q), np.asarray(s, np.float32)), "fp8-block"
+    if scheme.method == "gptq" and stats is not None and stats.n > 0:
+        qt = Q.gptq(w, stats.H.astype(np.float32), scheme.args, dampening_frac=opts.dampening_frac,
+                    actorder=scheme.actorder)
+        how = "gptq"
+    else:
+        qt = Q.rtn(w, scheme.args)
+        how = "rtn"
+    return QMatrix(np.asarray(qt.q, np.int8), np.asarray(qt.scale, np.float32),
+                   None if qt.zero is None else np.asarray(qt.zero, np.int8)), how
+
+
+def dequantized(qm: QMatrix, scheme: Scheme) -> np.ndarray:
+    if scheme.kind == "fp8-block":
+        return np.asarray(Q.dequantize_fp8_block(qm.q, qm.scale, (FP8_BLOCK, FP8_BLOCK)))
+    return np.asarray(Q.dequantize(Q.QTensor(qm.q, qm.scale, qm.zero), scheme.args))
+
+
+def _row(name: str, w: np.ndarray, qm: QMatrix, stats: Stats | None, scheme: Scheme, how: str,
+         fallback: str | None = None) -> dict[str, Any]:
+    """One report row; `fallback` says why a module did not get the scheme's own algorithm."""
+    w_hat = dequantized(qm, scheme)
+    row = {"module": name, "method": how, "tokens": int(stats.n) if stats is not None else 0,
+           "weight_error": float(np.linalg.norm(w - w_hat) / max(np.linalg.norm(w), 1e-30))}
+    if fallback:
+        row["fallback"] = fallback
+    if stats is not None and stats.n > 0:
+        row["output_error"] = float(Q.output_error(w, w_hat, stats.H.astype(np.float32)))
+    return row
+
+
+# ------------------------------------------------------------------------------------------------
+# The driver
+# ------------------------------------------------------------------------------------------------
+
+
+def _quantize_unit(unit: Unit, stats: dict[str, Stats], scheme: Scheme, opts: Options,
+                   awq_folded: set[str] = frozenset()) -> list[dict[str, Any]]:
+    if isinstance(unit.module, Linear):
+        w = np.asarray(unit.module.weight(), np.float32).T  # [out, in], LoRA folded in
+        st = stats.get(unit.name)
+        qm, how = quantize_matrix(w, st, scheme, opts)
+        set_linear(unit.module, qm, scheme.kind, scheme.bits)
+        return [_row(unit.name, w, qm, st, scheme, *_label(unit.name, how, st, scheme, awq_folded))]
+    ex: Experts = unit.module
+    gu, down = (np.asarray(a, np.float32) for a in ex.weights())  # [E, D, 2I], [E, I, D]
+    I = ex.intermediate_size
+    rows: list[dict[str, Any]] = []
+    mats: dict[str, list[QMatrix]] = {"gate_proj": [], "up_proj": [], "down_proj": []}
+    for key, parts in (("gate_up", (("gate_proj", gu[:, :, :I]), ("up_proj", gu[:, :, I:]))),
+                       ("down_proj", (("down_proj", down),))):
+        st_all = stats.get(f"{unit.name}.{key}")
+        pooled = st_all.pooled() if st_all is not None else None
+        for e in range(ex.num_experts):
+            st = None if st_all is None else Stats(st_all.H[e], st_all.abs_sum[e], st_all.n[e])
+            fallback = st is not None and st.n < opts.expert_min_tokens and pooled is not None and pooled.n > 0
+            for part, stack in parts:
+                w = stack[e].T  # [out, in]
+                qm, how = quantize_matrix(w, pooled if fallback else st, scheme, opts)
+                how, note = _label(unit.name, how, pooled if fallback else st, scheme, awq_folded)
+                if fallback and scheme.method == "gptq":
+                    note = f"{int(st.n)} routed tokens < expert_min_tokens {opts.expert_min_tokens}: pooled experts' H"
+                mats[part].append(qm)
+                rows.append(_row(f"{unit.name}.{e}.{part}", w, qm, st, scheme, how, note))
+    set_experts(ex, mats["gate_proj"], mats["up_proj"], mats["down_proj"], scheme.kind, scheme.bits)
+    return rows
+
+
+def _label(name: str, how: str, st: Stats | None, scheme: Scheme, awq_folded: set[str]) -> tuple[str, str | None]:
+    """(method, fallback reason or None) for the report."""
+    if scheme.kind == "fp8-block" or scheme.method == "rtn":
+        return how, None
+    if st is None or st.n <= 0:
+        return "rtn", "no calibration tokens reached it: RTN"
+    if scheme.method == "awq" and name not in awq_folded:
+        return "rtn", "no foldable op before it: RTN"
+    return scheme.method, None
+
+
+def quantize_model(model: nnx.Module, scheme: Scheme, batches: Sequence[tuple[np.ndarray, np.ndarray]], *,
+                   ignore: Sequence[str] = (), opts: Options | None = None) -> dict[str, Any]:
+    """Quantize `model` in place with `scheme`, calibrating on `batches` of (input_ids [B, T], segment_ids
+    [B, T]) (chat-templated, packed rows; segment 0 = padding). Returns the report: per-module rows
+    (method, routed tokens, relative weight and output error), AWQ folds, seconds."""
+    opts = opts or Options()
+    t0 = time.perf_counter()
+    if is_quantized(model):
+        raise ValueError("the model is already quantized")
+    for path, node in nnx.iter_graph(model):
+        if getattr(node, "lora_a", None) is not None or getattr(node, "gate_up_lora_a", None) is not None:
+            raise ValueError(f"{hf_name(path)} has a LoRA adapter: merge it (models.merge_lora) before quantizing")
+    units = quant_units(model, ignore)
+    if not units:
+        raise ValueError("nothing to quantize: every Linear is ignored")
+    check_supported(units, scheme)
+    if not batches:  # RTN and FP8 need no data (the report then has weight errors only); GPTQ / AWQ do
+        if scheme.kind == "int" and scheme.method != "rtn":
+            raise ValueError(f"scheme {scheme.name}: {scheme.method.upper()} needs calibration data")
+        rows = [r for u in units for r in _quantize_unit(u, {}, scheme, opts)]
+        model.quant_scheme, model.quant_ignore = scheme, tuple(ignore)
+        return {"scheme": scheme.name, "modules": rows, "awq": [], "seconds": time.perf_counter() - t0,
+                "calibration_tokens": 0}
+    L = model.config.num_hidden_layers
+    xs = [model.embed_tokens(jnp.asarray(ids)) for ids, _ in batches]  # [B, T, D] each
+    segs = [jnp.asarray(seg, jnp.int32) for _, seg in batches]
+    rows: list[dict[str, Any]] = []
+    awq_rows: list[dict[str, Any]] = []
+    for i in range(L):
+        layer_units = [u for u in units if u.layer == i]
+        stats = collect_stats(model, xs, segs, i, layer_units) if layer_units else {}
+        if scheme.method == "awq":
+            awq_rows += awq_layer(model.layers[i], i, stats, layer_units, scheme, opts)
+        folded = {m for r in awq_rows for m in r["modules"]}
+        for u in layer_units:
+            rows += _quantize_unit(u, stats, scheme, opts, folded)
+        xs = [_layer_forward(model, x, seg, i) for x, seg in zip(xs, segs, strict=True)]  # quantized layer's output
+    for u in units:  # modules the main stack never runs (e.g. DeepSeek/GLM MTP layers): no calibration
+        if u.layer is None or u.layer >= L:
+            rows += _quantize_unit(u, {}, scheme, opts)
+    model.quant_scheme, model.quant_ignore = scheme, tuple(ignore)
+    missing = [u.name for u in units if not _unit_quantized(u)]
+    if missing:  # coverage: every selected module must come out quantized (issue trackers; docs/quantization.md)
+        raise AssertionError(f"not quantized: {missing}")
+    return {"scheme": scheme.name, "modules": rows, "awq": awq_rows, "seconds": time.perf_counter() - t0,
+            "calibration_tokens": calibration_tokens(batches)}
+
+
+def _unit_quantized(u: Unit) -> bool:
+    return u.module.qweight is not None if isinstance(u.module, Linear) else u.module.quantized
+
+
+def quantize_int8(model: nnx.Module) -> nnx.Module:
+    """W8A16 round-to-nearest without calibration (int8 needs none); in place, returns the model."""
+    quantize_model(model, parse_scheme("int8"), [])
+    return model

@@ -1,0 +1,213 @@
+"""The compressed-tensors checkpoint layout, written and read: config.json's `quantization_config` and
+the tensors of every quantized module, HF names, [out, in] layout, experts written per expert.
+
+* `pack-quantized` int4 / int8 (weight-only, group or channel, symmetric or asymmetric): `weight_packed`
+  int32 words (32/b codes a word, offset to unsigned, low bits first), `weight_scale` [out, G],
+  `weight_shape` [2], and `weight_zero_point` [ceil(out·b/32), G] packed along the output axis; mirrors
+  compressed-tensors 0.20 `compressors/pack_quantized/base.py` and `compressors/pack_quantized/helpers.py`
+  (`pack_to_int32` / `unpack_from_int32`).
+* `float-quantized` FP8 128x128 blocks: `weight` float8_e4m3fn and `weight_scale` float32 tiles; mirrors
+  `compressors/naive_quantized/base.py` (`FloatQuantizationCompressor`).
+* `quantization_config`: one config group targeting Linear (`quantization/quant_config.py`,
+  `quantization/quant_args.py`), `ignore` = the float modules and the routers.
+
+See docs/formats/compressed-tensors.md.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+from flax import nnx
+
+from models.layers import Linear
+from models.moe import Experts
+from models.quant.schemes import FP8_BLOCK, Scheme, parse_scheme
+from models.quant.state import QMatrix, iter_qmatrices, set_experts, set_linear
+from models.quant.targets import ALWAYS_IGNORED, quant_units
+
+ROUTER_PATTERNS = (r"re:.*mlp\.gate$", r"re:.*mlp\.router$")  # written to `ignore` for engines that wrap routers
+
+
+# ------------------------------------------------------------------------------------------------
+# Writing
+# ------------------------------------------------------------------------------------------------
+
+
+def pack(q: np.ndarray, bits: int, axis: int = 1) -> np.ndarray:
+    """Signed codes int8 [rows, cols] -> int32 words along `axis` (docs/formats/compressed-tensors.md):
+    offset by 2^(b-1) to unsigned, 32/b per word, element p·j + i in bits b·i .. b·i + b - 1, the last
+    word zero-padded."""
+    if axis == 0:
+        return np.ascontiguousarray(pack(q.T, bits).T)
+    per = 32 // bits
+    rows, n = q.shape
+    u = (q.astype(np.int64) + (1 << (bits - 1))).astype(np.uint32)
+    u = np.pad(u, ((0, 0), (0, -n % per))).reshape(rows, -1, per)  # [rows, words, per]
+    shifts = (np.arange(per, dtype=np.uint32) * bits)[None, None, :]
+    return np.ascontiguousarray(np.bitwise_or.reduce(u << shifts, axis=-1)).view(np.int32)
+
+
+def unpack(packed: np.ndarray, bits: int, shape: tuple[int, int], axis: int = 1) -> np.ndarray:
+    """Inverse of `pack`: int32 words -> signed int8 codes of `shape`."""
+    if axis == 0:
+        return np.ascontiguousarray(unpack(np.asarray(packed).T, bits, (shape[1], shape[0])).T)
+    per, mask = 32 // bits, (1 << bits) - 1
+    rows, n = shape
+    u = np.asarray(packed).astype(np.int32).view(np.uint32)[:, :, None]
+    shifts = (np.arange(per, dtype=np.uint32) * bits)[None, None, :]
+    vals = ((u >> shifts) & mask).reshape(rows, -1)[:, :n]
+    return (vals.astype(np.int32) - (1 << (bits - 1))).astype(np.int8)
+
+
+def _weights_args(scheme: Scheme) -> dict[str, Any]:
+    if scheme.kind == "fp8-block":
+        return {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "block", "group_size": None,
+                "block_structure": [FP8_BLOCK, FP8_BLOCK], "dynamic": False, "actorder": None,
+                "observer": "minmax", "observer_kwargs": {}}
+    return {"num_bits": scheme.bits, "type": "int", "symmetric": scheme.symmetric,
+            "strategy": "channel" if scheme.group_size is None else "group", "group_size": scheme.group_size,
+            "block_structure": None, "dynamic": False, "actorder": "weight" if scheme.actorder else None,
+            "observer": "minmax", "observer_kwargs": {}}
+
+
+def compressed_tensors_config(scheme: Scheme, ignore: Sequence[str]) -> dict[str, Any]:
+    """`quantization_config` for config.json: one group targeting Linear with the scheme's weight args,
+    weight-only (activations stay in the serving dtype), and the modules left in float."""
+    fmt = "float-quantized" if scheme.kind == "fp8-block" else "pack-quantized"
+    return {
+        "quant_method": "compressed-tensors",
+        "format": fmt,
+        "quantization_status": "compressed",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": _weights_args(scheme),
+                                      "input_activations": None, "output_activations": None, "format": fmt}},
+        "ignore": list(dict.fromkeys([*ALWAYS_IGNORED, *ROUTER_PATTERNS, *ignore])),
+        "kv_cache_scheme": None,
+        "sparsity_config": {},
+        "transform_config": {},
+        "global_compression_ratio": None,
+    }
+
+
+def _tensors_for(name: str, qm: QMatrix, scheme: Scheme, scale_dtype: Any) -> dict[str, np.ndarray]:
+    """safetensors writes an array's memory as it is: every tensor here is made C-contiguous."""
+    return {k: np.ascontiguousarray(v) for k, v in _tensors_raw(name, qm, scheme, scale_dtype).items()}
+
+
+def _tensors_raw(name: str, qm: QMatrix, scheme: Scheme, scale_dtype: Any) -> dict[str, np.ndarray]:
+    if scheme.kind == "fp8-block":
+        return {f"{name}.weight": np.asarray(qm.q).astype(ml_dtypes.float8_e4m3fn),
+                f"{name}.weight_scale": qm.scale.astype(scale_dtype)}
+    out = {f"{name}.weight_packed": pack(qm.q, scheme.bits), f"{name}.weight_scale": qm.scale.astype(scale_dtype),
+           f"{name}.weight_shape": np.asarray(qm.q.shape, np.int32)}
+    if qm.zero is not None:
+        out[f"{name}.weight_zero_point"] = pack(qm.zero, scheme.bits, axis=0)
+    return out
+
+
+def to_compressed_tensors(model: nnx.Module, scheme: Scheme, ignore: Sequence[str] = (), *,
+                          scale_dtype: Any = np.float32) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """(quantization_config, tensors) for every quantized module, HF names, [out, in] layout
+    (docs/formats/compressed-tensors.md); experts are written per expert, as vLLM's fused-MoE loaders and
+    transformers' checkpoints name them."""
+    tensors: dict[str, np.ndarray] = {}
+    for name, qm, bias in iter_qmatrices(model):
+        tensors.update(_tensors_for(name, qm, scheme, scale_dtype))
+        if bias is not None:
+            tensors[f"{name}.bias"] = np.asarray(bias[...]).astype(scale_dtype)
+    return compressed_tensors_config(scheme, ignore), tensors
+
+
+# ------------------------------------------------------------------------------------------------
+# Reading
+# ------------------------------------------------------------------------------------------------
+
+
+def read_scheme(qc: Mapping[str, Any], source: str) -> Scheme:
+    """The Scheme of a compressed-tensors `quantization_config` this module writes; a clear error for others."""
+    groups = list((qc.get("config_groups") or {}).values())
+    w = (groups[0].get("weights") or {}) if len(groups) == 1 else {}
+    fmt = qc.get("format")
+    if qc.get("quant_method") != "compressed-tensors" or len(groups) != 1 or groups[0].get("input_activations"):
+        raise ValueError(f"{source}: unsupported quantization_config (only weight-only compressed-tensors "
+                         "checkpoints with one config group are read)")
+    if fmt == "float-quantized" and w.get("type") == "float" and w.get("strategy") == "block" \
+            and list(w.get("block_structure") or []) == [FP8_BLOCK, FP8_BLOCK]:
+        return parse_scheme("fp8-block")
+    if fmt == "pack-quantized" and w.get("type") == "int" and w.get("num_bits") in (4, 8) \
+            and w.get("strategy") in ("group", "channel"):
+        group = w.get("group_size") if w.get("strategy") == "group" else None
+        return Scheme("loaded", "int", int(w["num_bits"]), group, bool(w.get("symmetric", True)))
+    raise ValueError(f"{source}: unsupported quantization_config weights {dict(w)} in format {fmt!r} (read: "
+                     "pack-quantized int4/int8 group or channel, float-quantized FP8 128x128 blocks)")
+
+
+def prepare_for_load(model: nnx.Module, scheme: Scheme, names: set[str]) -> None:
+    """Give every module the checkpoint holds quantized (its `weight_packed`, or FP8 `weight_scale`) zero
+    quantized state of the right shapes, so hf_to_state can fill it; `model.quant_scheme` records the scheme."""
+    marker = "weight_scale"
+    for u in quant_units(model):
+        m = u.module
+        if isinstance(m, Linear):
+            if f"{u.name}.{marker}" in names:
+                set_linear(m, _zeros(m.out_features, m.in_features, scheme), scheme.kind, scheme.bits)
+        elif f"{u.name}.0.down_proj.{marker}" in names:
+            E, D, I = m.num_experts, m.hidden_size, m.intermediate_size
+            gate = [_zeros(I, D, scheme)] * E
+            set_experts(m, gate, gate, [_zeros(D, I, scheme)] * E, scheme.kind, scheme.bits)
+    model.quant_scheme = scheme
+
+
+def _zeros(out: int, n_in: int, scheme: Scheme) -> QMatrix:
+    if scheme.kind == "fp8-block":
+        return QMatrix(np.zeros((out, n_in), ml_dtypes.float8_e4m3fn),
+                       np.ones((math.ceil(out / FP8_BLOCK), math.ceil(n_in / FP8_BLOCK)), np.float32))
+    G = scheme.groups(n_in)
+    return QMatrix(np.zeros((out, n_in), np.int8), np.ones((out, G), np.float32),
+                   None if scheme.symmetric else np.zeros((out, G), np.int8))
+
+
+def read_qmatrix(get: Any, name: str, out: int, n_in: int, scheme: Scheme) -> QMatrix | None:
+    """Read one module's quantized tensors through hf_to_state's `get(name, shape)` (which records
+    missing and mis-shaped tensors); None when any is missing."""
+    if scheme.kind == "fp8-block":
+        q = get(f"{name}.weight", (out, n_in))
+        s = get(f"{name}.weight_scale", (math.ceil(out / FP8_BLOCK), math.ceil(n_in / FP8_BLOCK)))
+        if q is None or s is None:
+            return None
+        return QMatrix(np.asarray(q).astype(ml_dtypes.float8_e4m3fn), np.asarray(s, np.float32))
+    per = 32 // scheme.bits
+    G = scheme.groups(n_in)
+    packed = get(f"{name}.weight_packed", (out, -(-n_in // per)))
+    shape = get(f"{name}.weight_shape", (2,))
+    scale = get(f"{name}.weight_scale", (out, G))
+    zero = None if scheme.symmetric else get(f"{name}.weight_zero_point", (-(-out // per), G))
+    if packed is None or scale is None or (not scheme.symmetric and zero is None):
+        return None
+    if shape is not None and [int(v) for v in np.asarray(shape)] != [out, n_in]:
+        raise ValueError(f"{name}.weight_shape = {np.asarray(shape).tolist()} (expected {[out, n_in]})")
+    return QMatrix(unpack(np.asarray(packed), scheme.bits, (out, n_in)), np.asarray(scale, np.float32),
+                   None if zero is None else unpack(np.asarray(zero), scheme.bits, (out, G), axis=0))
+
+
+def load_linear(get: Any, name: str, lin: Linear, scheme: Scheme) -> None:
+    qm = read_qmatrix(get, name, lin.out_features, lin.in_features, scheme)
+    if qm is not None:
+        set_linear(lin, qm, scheme.kind, scheme.bits)
+
+
+def load_experts(get: Any, ex: Experts, scheme: Scheme) -> None:
+    """Per-expert gate_proj / up_proj / down_proj tensors -> the stacked quantized experts."""
+    E, D, I = ex.num_experts, ex.hidden_size, ex.intermediate_size
+    mats: dict[str, list[QMatrix]] = {"gate_proj": [], "up_proj": [], "down_proj": []}
+    for e in range(E):
+        for part, dims in (("gate_proj", (I, D)), ("up_proj", (I, D)), ("down_proj", (D, I))):
+            qm = read_qmatrix(lambda sfx, shape, e=e: get(f"{e}.{sfx}", shape), part, *dims, scheme)
+            if qm is None:
+                return
+            mats[part].append(qm)
+    set_experts(ex, mats["gate_proj"], mats["up_proj"], mats["down_proj"], scheme.kind, scheme.bits)

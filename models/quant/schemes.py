@@ -1,0 +1,78 @@
+"""Quantization schemes: the scheme-name grammar, `Scheme` (what the weights become) and `Options`
+(the algorithms' knobs).
+
+    scheme = parse_scheme("w4a16-gptq")     # int4, group 128, symmetric, GPTQ
+
+Schemes (names are also the artifact folders and the eval report keys):
+  int8                              W8A16: int8, per output channel, symmetric, round-to-nearest
+  w{4,8}a16[-asym]-{rtn,gptq,awq}[-actorder][-g<N>]
+                                    int weights, group N along the input (w4a16: 128 by default; w8a16: per
+                                    channel unless -gN), symmetric unless -asym; -actorder (GPTQ only) visits
+                                    columns by descending Hessian diagonal with static groups (compressed-tensors
+                                    `actorder: weight`, which needs no g_idx on disk)
+  fp8-block                         FP8 e4m3 weights, one scale per 128x128 tile (DeepSeek-V3's format)
+
+The int schemes are compressed-tensors' weight-only presets W8A16, W4A16 and W4A16_ASYM with a free group
+size, and fp8-block its FP8_BLOCK preset (compressed-tensors `quantization/quant_scheme.py`); the methods
+are RTN, GPTQ (arXiv:2210.17323) and AWQ (arXiv:2306.00978). See docs/quantization.md (schemes, GPTQ,
+AWQ, RTN) and docs/formats/compressed-tensors.md (how each scheme is written).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+from models.quant import quantizers as Q
+
+FP8_BLOCK = 128  # fp8-block: one scale per FP8_BLOCK x FP8_BLOCK tile
+
+SCHEME_RE = re.compile(r"(?P<w>w4a16|w8a16)(?P<asym>-asym)?-(?P<method>rtn|gptq|awq)(?P<act>-actorder)?"
+                       r"(?:-g(?P<group>\d+))?")
+
+
+@dataclasses.dataclass(frozen=True)
+class Scheme:
+    name: str
+    kind: str  # "int" | "fp8-block"
+    bits: int = 8
+    group_size: int | None = None  # None: one scale per output channel
+    symmetric: bool = True
+    method: str = "rtn"  # rtn | gptq | awq (fp8-block: rtn)
+    actorder: bool = False
+
+    @property
+    def args(self) -> Q.IntArgs:
+        return Q.IntArgs(self.bits, self.group_size, self.symmetric)
+
+    def groups(self, in_features: int) -> int:
+        return math.ceil(in_features / FP8_BLOCK) if self.kind == "fp8-block" else self.args.groups(in_features)
+
+
+def parse_scheme(name: str) -> Scheme:
+    """A scheme name (see the module docstring) -> Scheme; ValueError naming the accepted forms otherwise."""
+    if name == "int8":
+        return Scheme("int8", "int", 8, None, True, "rtn")
+    if name == "fp8-block":
+        return Scheme("fp8-block", "fp8-block", 8)
+    m = SCHEME_RE.fullmatch(name)
+    if m is None:
+        raise ValueError(f"unknown quantization scheme {name!r} (known: int8, fp8-block, "
+                         "w4a16|w8a16[-asym]-rtn|gptq|awq[-actorder][-g<N>], e.g. w4a16-gptq, w4a16-asym-awq-g64)")
+    bits = 4 if m["w"] == "w4a16" else 8
+    group = int(m["group"]) if m["group"] else (128 if bits == 4 else None)
+    if group is not None and group <= 0:
+        raise ValueError(f"scheme {name!r}: group size must be positive")
+    if m["act"] and m["method"] != "gptq":
+        raise ValueError(f"scheme {name!r}: -actorder applies to GPTQ only")
+    return Scheme(name, "int", bits, group, not m["asym"], m["method"], bool(m["act"]))
+
+
+@dataclasses.dataclass
+class Options:
+    """The algorithms' knobs: GPTQ damping, the per-expert token floor, the AWQ grid size."""
+
+    dampening_frac: float = 0.01
+    expert_min_tokens: int = 16  # fewer routed tokens: GPTQ on the layer's pooled expert statistics
+    awq_grid: int = 20

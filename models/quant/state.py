@@ -1,0 +1,154 @@
+"""The quantized state of a model in memory. `QMatrix` is one weight's codes, scales and zero points in
+the HF [out, in] orientation (the orientation of every file format); `Linear` (models/layers.py) and the
+stacked `Experts` (models/moe.py) hold them transposed, [in, out]. The driver sets this state
+(models/quant/driver.py), the file formats read and write it (models/quant/formats/).
+
+Codes are signed int8 (int4 codes one per byte) or float8_e4m3fn; scales float32 [out, G] per input group
+(G = 1: per channel) or [out/128, in/128] FP8 tiles; zero points int8 [out, G] for asymmetric schemes:
+compressed-tensors' `weight_scale` / `weight_zero_point` conventions (`quantization/lifecycle/
+initialize.py`). See docs/quantization.md and docs/formats/compressed-tensors.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from models.layers import Linear, QuantScale, QuantWeight, QuantZero, param
+from models.moe import Experts
+from models.quant.schemes import FP8_BLOCK, Scheme, parse_scheme
+from models.quant.targets import quant_units
+
+# ------------------------------------------------------------------------------------------------
+# Setting and reading the state: HF-oriented [out, in] codes, transposed to the kernels' [in, out]
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class QMatrix:
+    """One quantized weight in the HF orientation: codes [out, in] (int8 or float8_e4m3fn), scale [out, G]
+    (or FP8 tiles [out/128, in/128]), zero [out, G] or None."""
+
+    q: np.ndarray
+    scale: np.ndarray
+    zero: np.ndarray | None = None
+
+
+def _codes_dtype(scheme_kind: str) -> Any:
+    return jnp.float8_e4m3fn if scheme_kind == "fp8-block" else jnp.int8
+
+
+def set_linear(lin: Linear, qm: QMatrix, kind: str, bits: int = 8) -> None:
+    """Turn a Linear into its quantized form (the float kernel and LoRA factors are dropped)."""
+    a_in, a_out = lin.axes
+    lin.qweight = param(jnp.asarray(qm.q.T, _codes_dtype(kind)), (a_in, a_out), QuantWeight)  # [in, out]
+    lin.scale = param(jnp.asarray(qm.scale.T, jnp.float32), (None, a_out), QuantScale)  # [G, out]
+    lin.zero = None if qm.zero is None else param(jnp.asarray(qm.zero.T, jnp.int8), (None, a_out), QuantZero)
+    lin.qblock = FP8_BLOCK if kind == "fp8-block" else None
+    lin.qbits = bits
+    lin.kernel = None
+    lin.lora_a = lin.lora_b = lin.lora_dropout = None
+
+
+def set_experts(ex: Experts, gate: Sequence[QMatrix], up: Sequence[QMatrix], down: Sequence[QMatrix], kind: str,
+                bits: int = 8) -> None:
+    """Per-expert HF matrices (gate_proj, up_proj [I, D]; down_proj [D, I]) -> stacked codes: gate_up
+    [E, D, 2I] (gate columns first), scales [E, G, 2I] (FP8: gate's tiles then up's, [E, D/128, 2·I/128])."""
+    fused = [QMatrix(np.concatenate([g.q, u.q], 0), np.concatenate([g.scale, u.scale], 0),
+                     None if g.zero is None else np.concatenate([g.zero, u.zero], 0))
+             for g, u in zip(gate, up, strict=True)]
+    for w, mats, axes in (("gate_up", fused, ("expert", "embed", "mlp")), ("down", down, ("expert", "mlp", "embed"))):
+        setattr(ex, f"{w}_q", param(jnp.asarray(np.stack([m.q.T for m in mats]), _codes_dtype(kind)), axes,
+                                    QuantWeight))  # [E, in, out]
+        setattr(ex, f"{w}_scale", param(jnp.asarray(np.stack([m.scale.T for m in mats]), jnp.float32),
+                                        (axes[0], None, axes[2]), QuantScale))  # [E, G, out]
+        zero = None if mats[0].zero is None else param(jnp.asarray(np.stack([m.zero.T for m in mats]), jnp.int8),
+                                                       (axes[0], None, axes[2]), QuantZero)
+        setattr(ex, f"{w}_zero", zero)
+        setattr(ex, w, None)
+    ex.gate_up_lora_a = ex.gate_up_lora_b = ex.down_lora_a = ex.down_lora_b = ex.lora_dropout = None
+    ex.qblock = FP8_BLOCK if kind == "fp8-block" else None
+    ex.qbits = bits
+
+
+def linear_qmatrix(lin: Linear) -> QMatrix:
+    return QMatrix(np.asarray(lin.qweight[...]).T, np.asarray(lin.scale[...], np.float32).T,
+                   None if lin.zero is None else np.asarray(lin.zero[...]).T)
+
+
+def expert_qmatrices(ex: Experts) -> Iterator[tuple[int, str, QMatrix]]:
+    """(expert, "gate_proj" | "up_proj" | "down_proj", QMatrix in the HF orientation) of quantized experts."""
+    I = ex.intermediate_size
+    for w in ("gate_up", "down"):
+        q, s, z = (getattr(ex, f"{w}_{p}") for p in ("q", "scale", "zero"))
+        q, s = np.asarray(q[...]), np.asarray(s[...], np.float32)
+        z = None if z is None else np.asarray(z[...])
+        for e in range(q.shape[0]):
+            m = QMatrix(q[e].T, s[e].T, None if z is None else z[e].T)
+            if w == "down":
+                yield e, "down_proj", m
+                continue
+            st = s.shape[-1] // 2 if ex.qblock else I  # the split point of the scales' rows
+            for part, rows, srows in (("gate_proj", slice(0, I), slice(0, st)),
+                                      ("up_proj", slice(I, 2 * I), slice(st, None))):
+                yield e, part, QMatrix(m.q[rows], m.scale[srows], None if m.zero is None else m.zero[rows])
+
+
+def iter_qmatrices(model: nnx.Module) -> Iterator[tuple[str, QMatrix, Any]]:
+    """(HF module name, QMatrix, bias or None) for every quantized Linear and expert projection."""
+    for u in quant_units(model):
+        m = u.module
+        if isinstance(m, Linear):
+            if m.qweight is not None:
+                yield u.name, linear_qmatrix(m), m.bias
+            continue
+        if not m.quantized:
+            continue
+        for e, part, qm in expert_qmatrices(m):
+            yield f"{u.name}.{e}.{part}", qm, None
+
+
+# ------------------------------------------------------------------------------------------------
+# What a quantized model carries: its scheme, its weight bytes
+# ------------------------------------------------------------------------------------------------
+
+
+def scheme_of(model: nnx.Module) -> Scheme:
+    """The scheme a quantized model carries: the one `quantize_model` or the loader recorded, else what the
+    quantized state shows (codes dtype and width, scales, zero points)."""
+    recorded = getattr(model, "quant_scheme", None)
+    if recorded is not None:
+        return recorded
+    for u in quant_units(model):
+        m = u.module
+        if isinstance(m, Linear) and m.qweight is not None:
+            s, z, n_in = m.scale, m.zero, m.in_features
+        elif isinstance(m, Experts) and m.quantized:
+            s, z, n_in = m.gate_up_scale, m.gate_up_zero, m.hidden_size
+        else:
+            continue
+        if m.qblock is not None:
+            return parse_scheme("fp8-block")
+        G = s[...].shape[-2]
+        return Scheme(f"w{m.qbits}a16", "int", m.qbits, None if G == 1 else n_in // G, z is None)
+    raise ValueError("the model is not quantized")
+
+
+def weight_bytes(model: nnx.Module, *, linears_only: bool = False) -> int:
+    """Bytes of the weights held in memory: float params, quantized codes (one byte each, int4 too) and
+    their scales / zero points (LoRA factors excluded). `linears_only` counts only the quantizable
+    modules (Linears but the LM head, and experts)."""
+    if linears_only:
+        total = 0
+        for u in quant_units(model):
+            total += sum(x.nbytes for x in jax.tree.leaves(nnx.state(u.module, nnx.Any(
+                nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam)), QuantWeight, QuantScale, QuantZero))))
+        return total
+    weights = nnx.state(model, nnx.Any(nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam)), QuantWeight, QuantScale, QuantZero))
+    return sum(x.nbytes for x in jax.tree.leaves(weights))

@@ -1,0 +1,110 @@
+"""What gets quantized: every Linear and every stacked-experts module of a model, by HF module name,
+less what `ignore` matches (module names, or regexes prefixed `re:`, the way compressed-tensors'
+`targets` / `ignore` are matched in `utils/match.py`).
+
+Every Linear except `lm_head` and MTP layers' `eh_proj` (ALWAYS_IGNORED), and every expert, is quantized
+unless it matches `ignore`; routers, norms and embeddings are never Linears here, so they always stay
+float. An Experts stack is quantized whole or not at all (an engine loads a stack with one format), and
+a group size must divide every quantized input width. See docs/quantization.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Sequence
+from typing import Any
+
+from flax import nnx
+
+from models.layers import Linear, hf_name
+from models.moe import Experts
+from models.quant.schemes import Scheme
+
+# lm_head stays float; so does the MTP layers' eh_proj, which vLLM builds as a plain, unquantized Linear
+ALWAYS_IGNORED = ("lm_head", r"re:.*\.eh_proj$")
+
+
+@dataclasses.dataclass
+class Unit:
+    """One quantizable module: a Linear, or an Experts stack (quantized per expert)."""
+
+    name: str  # HF module name: "model.layers.0.self_attn.q_proj", "model.layers.1.mlp.experts"
+    path: tuple
+    module: Linear | Experts
+
+    @property
+    def layer(self) -> int | None:
+        return self.path[1] if len(self.path) > 1 and self.path[0] == "layers" else None
+
+    def in_features(self) -> list[tuple[str, int]]:
+        if isinstance(self.module, Linear):
+            return [(self.name, self.module.in_features)]
+        ex = self.module
+        return [(f"{self.name}.gate_up", ex.hidden_size), (f"{self.name}.down_proj", ex.intermediate_size)]
+
+
+def _matches(name: str, patterns: Sequence[str]) -> bool:
+    return any(re.fullmatch(p[3:], name) if p.startswith("re:") else name == p for p in patterns)
+
+
+def expert_names(prefix: str, experts: Experts) -> list[str]:
+    return [f"{prefix}.{e}.{p}" for e in range(experts.num_experts) for p in ("gate_proj", "up_proj", "down_proj")]
+
+
+def quant_units(model: nnx.Module, ignore: Sequence[str] = ()) -> list[Unit]:
+    """Every Linear (but lm_head) and Experts stack not matched by `ignore`, in a stable order.
+
+    An Experts stack is matched by its own name or by all of its per-expert names; ignoring only some
+    experts of a stack is refused (an engine loads a stack with one format)."""
+    units = []
+    for path, node in nnx.iter_graph(model):
+        if isinstance(node, Linear):
+            name = hf_name(path)
+            if not _matches(name, (*ALWAYS_IGNORED, *ignore)):
+                units.append(Unit(name, tuple(path), node))
+        elif isinstance(node, Experts):
+            name = hf_name(path)
+            hits = [_matches(n, ignore) for n in expert_names(name, node)]
+            if _matches(name, ignore) or all(hits):
+                continue
+            if any(hits):
+                raise ValueError(f"quantize.ignore matches only some of {name}'s experts; ignore the whole "
+                                 f"stack ({name!r}) or none of it")
+            units.append(Unit(name, tuple(path), node))
+    return units
+
+
+def is_quantized(model: nnx.Module) -> bool:
+    for _, node in nnx.iter_graph(model):
+        if (isinstance(node, Linear) and node.qweight is not None) or (isinstance(node, Experts) and node.quantized):
+            return True
+    return False
+
+
+def check_divisible(units: Sequence[Unit], scheme: Scheme) -> None:
+    """A group size must divide every quantized layer's input width (compressed-tensors and the serving
+    kernels need whole groups): one error naming the first offending layer and the way out."""
+    if scheme.kind != "int" or scheme.group_size is None:
+        return
+    for unit in units:
+        for name, n_in in unit.in_features():
+            if n_in % scheme.group_size:
+                raise ValueError(f"scheme {scheme.name}: group size {scheme.group_size} does not divide {name}'s "
+                                 f"input width {n_in}; pick a group size that divides it (suffix -g<N>) or add "
+                                 f"the layer to quantize.ignore")
+
+
+def check_supported(units: Sequence[Unit], scheme: Scheme) -> None:
+    """check_divisible, and no GPT-OSS fused experts (they have no compressed-tensors layout)."""
+    check_divisible(units, scheme)
+    if gpt_oss := [u.name for u in units if isinstance(u.module, Experts) and u.module.hf_layout == "gpt_oss"]:
+        raise ValueError(f"{gpt_oss[0]}: GPT-OSS's fused experts have no compressed-tensors layout (the model "
+                         "ships them in MXFP4); add 're:.*mlp\\.experts' to quantize.ignore")
+
+
+def _module(root: nnx.Module, rel: str) -> Any:
+    node = root
+    for p in rel.split("."):
+        node = node[int(p)] if p.isdigit() else getattr(node, p)
+    return node
