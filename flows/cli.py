@@ -158,14 +158,14 @@ def _check_quantize(cfg) -> None:
     from flax import nnx
 
     import storage
-    from models import registry
+    from models import families
     from tasks.base_model import shape_config
     from tasks.quantize import check_fits
 
     for scheme in cfg.quantize.schemes:  # every shipped scheme needs a gate limit (else evaluate fails at the end)
         cfg.evaluate.gates.quant_limit(scheme)
     if cfg.base.url is None:
-        config, model_cls = shape_config(cfg.base.model, vocab_size=8), registry.family(cfg.base.model.architecture)[1]
+        config, model_cls = shape_config(cfg.base.model, vocab_size=8), families.family(cfg.base.model.architecture)[1]
     else:
         source = storage.join(cfg.base.url, "config.json")
         try:
@@ -175,7 +175,7 @@ def _check_quantize(cfg) -> None:
         except ValueError as e:
             _fail(f"base.url: {source}: cannot read config ({_first_line(e)})")
         try:
-            config_cls, model_cls = registry.resolve(raw, source)
+            config_cls, model_cls = families.resolve(raw, source)
             config = config_cls.from_hf(raw)
         except KeyError as e:
             _fail(f"base.url: {source}: missing key {e.args[0]!r}")

@@ -86,14 +86,14 @@ def _lineage(st: Store, ref) -> tuple[list[str], int]:
 
 
 def _checkpoint(ref, folder: str, files: list[str]) -> list[str]:
-    from models import registry
+    from models import families
     from models.hf import read_safetensors_header
 
     problems = []
     config_url = ref.file(f"{folder}/config.json")
     try:
         raw = json.loads(storage.read_bytes(config_url))
-        config_cls, _ = registry.resolve(raw, config_url)
+        config_cls, _ = families.resolve(raw, config_url)
         config_cls.from_hf(raw)
     except (ValueError, TypeError, KeyError, NotImplementedError) as e:
         problems.append(f"checkpoint: {config_url}: {str(e).splitlines()[0] if str(e) else type(e).__name__}")

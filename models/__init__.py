@@ -12,19 +12,55 @@ and moe.py (routers, grouped expert dispatch).
 Tests: `pytest tests/unit/test_models*.py tests/parity` (parity needs transformers, peft, compressed-tensors).
 """
 
-from models.generate import GenerateOutput, KVCache, generate, jit_forward
-from models.hf import from_pretrained, hf_to_state, save_pretrained, state_to_hf
-from models.layers import Linear
-from models.llama import Llama, LlamaConfig
-from models.lora import apply_lora, lora_state_to_peft, merge_lora, save_peft_adapter
-from models.quant import parse_scheme, quantize_int8, quantize_model, to_compressed_tensors, weight_bytes
-from models.registry import ARCHITECTURES
-from models.speculative import DraftHead, MTPDraft, SpecOutput, speculative_generate
+import importlib
+from typing import Any
 
-__all__ = [
-    "ARCHITECTURES", "DraftHead", "GenerateOutput", "KVCache", "Linear", "Llama", "LlamaConfig", "MTPDraft",
-    "SpecOutput",
-    "apply_lora", "from_pretrained", "generate", "hf_to_state", "jit_forward", "lora_state_to_peft", "merge_lora",
-    "parse_scheme", "quantize_int8", "quantize_model", "save_peft_adapter", "save_pretrained",
-    "speculative_generate", "state_to_hf", "to_compressed_tensors", "weight_bytes",
-]
+# name -> the module that defines it. Nothing is imported until used, so `import models.hf` does not build
+# every family, `tasks/code.py` can tell what a `from models import name` depends on, and a config schema
+# that needs one constant does not import JAX.
+_LAZY = {
+    "GenerateOutput": "models.generate",
+    "KVCache": "models.generate",
+    "generate": "models.generate",
+    "jit_forward": "models.generate",
+    "from_pretrained": "models.hf",
+    "hf_to_state": "models.hf",
+    "save_pretrained": "models.hf",
+    "state_to_hf": "models.hf",
+    "Linear": "models.layers",
+    "Llama": "models.llama",
+    "LlamaConfig": "models.llama",
+    "apply_lora": "models.lora",
+    "lora_state_to_peft": "models.lora",
+    "merge_lora": "models.lora",
+    "save_peft_adapter": "models.lora",
+    "parse_scheme": "models.quant.schemes",
+    "quantize_int8": "models.quant.driver",
+    "quantize_model": "models.quant.driver",
+    "to_compressed_tensors": "models.quant.formats.compressed_tensors",
+    "weight_bytes": "models.quant.state",
+    "ARCHITECTURES": "models.families",
+    "DraftHead": "models.speculative",
+    "MTPDraft": "models.speculative",
+    "SpecOutput": "models.speculative",
+    "speculative_generate": "models.speculative",
+}
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str) -> Any:  # PEP 562: import what is used, when it is first used
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+    else:
+        try:
+            value = importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError as e:
+            if e.name != f"{__name__}.{name}":
+                raise
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

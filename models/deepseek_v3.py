@@ -12,7 +12,7 @@ Module attribute names mirror the HF tensor names (models/hf.py maps them struct
 kv_b_proj, o_proj}`, dense `layers.{i}.mlp.{gate,up,down}_proj` for i < first_k_dense_replace, else
 `layers.{i}.mlp.gate.{weight, e_score_correction_bias}`, `layers.{i}.mlp.experts.{e}.{gate,up,down}_proj`
 and `layers.{i}.mlp.shared_experts.*`. MTP layers follow the main stack at `layers.{L + m}` (models/decoder.py
-`MTPLayer`). Published FP8 checkpoints (`weight_scale_inv`) are dequantized on load by models/formats.py.
+`MTPLayer`). Published FP8 checkpoints (`weight_scale_inv`) are dequantized on load by models/quant/formats/.
 
 MLA (multi-head latent attention), per token:
     q        = q_b_proj(q_a_layernorm(q_a_proj(x)))  (or q_proj(x))        -> N × (P nope | R rope)

@@ -12,7 +12,7 @@ Module attribute names mirror the HF tensor names (models/hf.py maps them struct
 `layers.{i}.mlp.router.{weight,bias}`, `layers.{i}.mlp.experts.{gate_up_proj,gate_up_proj_bias,
 down_proj,down_proj_bias}` (transformers' fused [E, in, out] layout, gate/up interleaved on disk,
 converted by models/moe.py `Experts(hf_layout="gpt_oss")`). Published MXFP4 expert weights
-(`*_blocks` / `*_scales`) are dequantized on load by models/formats.py.
+(`*_blocks` / `*_scales`) are dequantized on load by models/quant/formats/.
 
     from models.gpt_oss import GptOss, GptOssConfig
     model = GptOss(GptOssConfig.tiny(), rngs=nnx.Rngs(0))

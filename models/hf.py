@@ -38,7 +38,7 @@ import safetensors
 import safetensors.numpy
 from flax import nnx
 
-from models import quant, registry
+from models import families, quant
 from models.layers import Buffer, Embed, Linear, RMSNorm, hf_name
 from models.quant.formats import DequantizingCheckpoint
 
@@ -263,7 +263,7 @@ def state_to_hf(
     for name, _, mod in _named_modules(model):
         if hasattr(mod, "hf_export"):
             if skip_quantized and getattr(mod, "quantized", False):
-                continue  # quantized experts: written by models/quant.py
+                continue  # quantized experts: written by models/quant/
             for suffix, value in mod.hf_export().items():
                 emit(f"{name}.{suffix}", value)
             continue
@@ -380,14 +380,14 @@ def from_pretrained(path_or_url: str, *, dtype: Any = jnp.float32) -> nnx.Module
     """Build the model named by config.json `architectures` and load its safetensors weights.
 
     Parameters and activations use `dtype`. Published quantized checkpoints are dequantized on load
-    (DeepSeek FP8 block weights, GPT-OSS MXFP4 experts; models/formats.py); a compressed-tensors
-    checkpoint (int4/int8 pack-quantized, FP8 blocks; as `save_pretrained` writes a models/quant.py model)
+    (DeepSeek FP8 block weights, GPT-OSS MXFP4 experts; models/quant/formats/); a compressed-tensors
+    checkpoint (int4/int8 pack-quantized, FP8 blocks; as `save_pretrained` writes a models/quant/ model)
     loads quantized, dequantizing in the forward.
     """
     with readable_dir(path_or_url) as folder:
         config_path = os.path.join(folder, "config.json")
         cfg_dict = load_config(folder)
-        config_cls, model_cls = registry.resolve(cfg_dict, config_path)
+        config_cls, model_cls = families.resolve(cfg_dict, config_path)
         try:
             config = config_cls.from_hf(cfg_dict)
         except KeyError as e:
@@ -435,7 +435,7 @@ def save_pretrained(
     `dtype` (default: the model's param dtype) is the on-disk float dtype. More than
     `max_shard_bytes` of tensors are split into model-0000i-of-0000n.safetensors plus
     model.safetensors.index.json. A tied model omits lm_head.weight; LoRA factors are merged into
-    the written weights; a quantized model (models/quant.py) is written in compressed-tensors
+    the written weights; a quantized model (models/quant/) is written in compressed-tensors
     (`pack-quantized` int, `float-quantized` FP8) or, for FP8 blocks, `layout="deepseek-fp8"`.
     """
     dtype = jnp.dtype(dtype or getattr(model, "param_dtype", jnp.float32))

@@ -79,7 +79,7 @@ class Buffer(nnx.Variable):
 class Linear(nnx.Module):
     """y = x @ kernel (+ bias) (+ scale · (dropout(x) @ lora_a) @ lora_b).
 
-    States (see models/lora.py and models/quant.py for the transitions):
+    States (see models/lora.py and models/quant/ for the transitions):
       float:     kernel Param [in, out]
       LoRA:      kernel Param + lora_a LoRAParam [in, r] + lora_b LoRAParam [r, out], lora_scale = alpha/r,
                  and with a dropout rate > 0 an nnx.Dropout on the LoRA branch's input only (PEFT's
@@ -87,7 +87,7 @@ class Linear(nnx.Module):
       quantized: qweight QuantWeight [in, out] (int8 codes of an int4/int8 scheme, or float8_e4m3fn),
                  scale QuantScale [G, out] (G input groups; 1 = per channel) or [in/128, out/128] (FP8
                  blocks, `qblock` = 128), zero QuantZero int8 [G, out] for asymmetric schemes; kernel is None.
-                 The forward dequantizes on the fly (models/quant.py makes and writes these).
+                 The forward dequantizes on the fly (models/quant/ makes and writes these).
     """
 
     def __init__(
@@ -117,7 +117,7 @@ class Linear(nnx.Module):
         self.zero = nnx.data(None)
         self.qblock: int | None = None  # FP8 block edge (scale per qblock x qblock tile); None for int schemes
         self.qbits = 0  # bits per code of an int scheme (4 or 8; int4 codes are held one per int8)
-        self.calibrating = False  # models/quant.py: sow this layer's inputs for calibration statistics
+        self.calibrating = False  # models/quant/: sow this layer's inputs for calibration statistics
 
     def add_lora(self, rank: int, alpha: float, *, key: jax.Array, dropout: float = 0.0,
                  dropout_rngs: nnx.RngStream | None = None) -> None:

@@ -59,16 +59,9 @@ from flax import nnx
 
 from models.hf import writable_dir
 from models.layers import Linear, hf_name
+from models.lora_targets import ALL_LINEAR
 from models.moe import Experts, Router
 
-# Every projection of every decoder layer: attention (GQA and MLA), dense MLP, shared experts and the
-# stacked routed experts. Not the LM head, the embeddings or the routers.
-ALL_LINEAR = (
-    r".*\.self_attn\.(q_proj|k_proj|v_proj|o_proj|q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj)",
-    r".*\.mlp\.(gate_proj|up_proj|down_proj)",
-    r".*\.mlp\.shared_experts\.(gate_proj|up_proj|down_proj)",
-    r".*\.mlp\.experts",
-)
 # Linear names peft 0.21 remaps onto fused experts on transformers-5 MoE bases (see the module docstring).
 PEFT_V5_MOE_RENAMED = ("gate_proj", "up_proj", "down_proj", "gate")
 

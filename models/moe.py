@@ -229,7 +229,7 @@ class Experts(nnx.Module):
     LoRA dropout draws its masks per routed row in the grouped impls and per (expert, token) in the dense
     one, so grouped == dense holds with dropout off (`eval()`).
 
-    Quantized (models/quant.py): gate_up / down are None and each has codes `<w>_q` QuantWeight [E, in, out],
+    Quantized (models/quant/): gate_up / down are None and each has codes `<w>_q` QuantWeight [E, in, out],
     scales `<w>_scale` QuantScale [E, G, out] (or FP8 tiles [E, in/128, out/128] with `qblock`) and, for
     asymmetric schemes, `<w>_zero` QuantZero [E, G, out]: every expert quantized on its own; the forward
     dequantizes them on the fly.
@@ -265,7 +265,7 @@ class Experts(nnx.Module):
                 setattr(self, f"{w}_{part}", nnx.data(None))
         self.qblock: int | None = None
         self.qbits = 0
-        self.calibrating = False  # models/quant.py: sow the routed rows for per-expert calibration
+        self.calibrating = False  # models/quant/: sow the routed rows for per-expert calibration
 
     # -- LoRA ------------------------------------------------------------------------------------
 

@@ -24,10 +24,10 @@ import models
 import storage
 from tasks.cli import OPTIONAL_PATH, stage_main
 from tasks.configs import BaseModelConfig, ModelShape
-from tasks.layout import save_model_dir
 from tasks.stage import StageContext
 from tasks.training.checkpoints import Checkpoints
 from tasks.training.loop import Progress, fit
+from tasks.training.save import save_model_dir
 from tasks.training.trainer import Trainer
 
 log = logging.getLogger("forgeline.base")

@@ -57,8 +57,10 @@ def lazy_exports(package: str, packages: tuple[str, ...] = LIBRARIES) -> dict[st
     if path is None or path.name != "__init__.py":
         return {}
     for node in _tree(path).body:
-        if isinstance(node, ast.Assign | ast.AnnAssign) and isinstance(node.value, ast.Dict) and any(
-                isinstance(t, ast.Name) and t.id == "_LAZY" for t in getattr(node, "targets", [node.target])):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AnnAssign) \
+            else []
+        if isinstance(getattr(node, "value", None), ast.Dict) and any(
+                isinstance(t, ast.Name) and t.id == "_LAZY" for t in targets):
             return {k.value: v.value for k, v in zip(node.value.keys, node.value.values, strict=True)
                     if isinstance(k, ast.Constant) and isinstance(v, ast.Constant)}
     return {}
@@ -67,9 +69,10 @@ def lazy_exports(package: str, packages: tuple[str, ...] = LIBRARIES) -> dict[st
 @cache
 def imports(module: str, packages: tuple[str, ...] = LIBRARIES) -> frozenset[str]:
     """The modules of `packages` that `module` imports anywhere in its body (imports inside functions
-    included). Through a package whose __init__ defers its imports (a `_LAZY` table of name -> module,
-    PEP 562), only what is used counts: `from models import from_pretrained` is models.hf, and after
-    `import models`, `models.lora.apply_lora` is models.lora."""
+    included, and a module named in a string, as a registry imports it by name). Through a package whose
+    __init__ defers its imports (a `_LAZY` table of name -> module, PEP 562), only what is used counts:
+    `from models import from_pretrained` is models.hf, and after `import models`, `models.lora.apply_lora`
+    is models.lora."""
     known = modules(packages)
     path = known[module]
     out: set[str] = set()
@@ -98,6 +101,12 @@ def imports(module: str, packages: tuple[str, ...] = LIBRARIES) -> frozenset[str
                     out.add(lazy)
                 elif (r := _resolve(base, known)):
                     out.add(r)
+    lazy_table = {id(c) for n in tree.body if isinstance(n, ast.Assign) and any(
+        isinstance(t, ast.Name) and t.id == "_LAZY" for t in n.targets) for c in ast.walk(n)}
+    for node in ast.walk(tree):  # a module named in a string is imported by name (a registry): counts
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in known \
+                and id(node) not in lazy_table:
+            out.add(node.value)
     for node in ast.walk(tree):  # attribute chains on bound names: models.lora.x, quant.parse_scheme
         if isinstance(node, ast.Attribute):
             chain = []

@@ -12,8 +12,8 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from models import quant
-from models.lora import ALL_LINEAR
+from models.lora_targets import ALL_LINEAR
+from models.quant.schemes import parse_scheme
 from tasks.data.corpora import SPECIAL_TOKENS
 from tasks.training.config import TrainConfig
 
@@ -106,7 +106,7 @@ class QuantizeConfig(BaseModel):
     @classmethod
     def _known(cls, v: tuple[str, ...]) -> tuple[str, ...]:
         for name in v:
-            quant.parse_scheme(name)
+            parse_scheme(name)
         if len(set(v)) != len(v):
             raise ValueError(f"schemes {list(v)} repeat a scheme")
         return v

@@ -3,7 +3,7 @@
     python -m tasks.draft --target DIR --traces DIR --out DIR [--set ttt_steps=7 draft_vocab_size=2048 ...]
 
 Mirrors docs/speculative-decoding.md and docs/formats/eagle3.md (SpecForge / vLLM speculators practice):
-- the draft (models/eagle3.py) reads three target features (layers `aux_layer_ids`, recorded by the
+- the draft (models/eagle3/) reads three target features (layers `aux_layer_ids`, recorded by the
   traces stage) fused by `fc`, has one decoder layer over [embedding ; fused], the target's frozen
   embeddings, and a pruned vocabulary: the `draft_vocab_size` target tokens most frequent in the
   traces' answers (`d2t`/`t2d`);

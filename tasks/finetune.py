@@ -24,11 +24,12 @@ from models import lora
 from storage import Store
 from tasks.cli import OPTIONAL_PATH, PATH, stage_main
 from tasks.configs import FinetuneConfig
-from tasks.layout import model_dir, save_model_dir
+from tasks.layout import model_dir
 from tasks.stage import StageContext
 from tasks.training.checkpoints import Checkpoints
 from tasks.training.distributed import is_primary
 from tasks.training.loop import Progress, fit
+from tasks.training.save import save_model_dir
 from tasks.training.trainer import Trainer
 
 log = logging.getLogger("forgeline.finetune")

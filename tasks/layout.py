@@ -12,12 +12,7 @@ A stage reads an input through these helpers, never through another stage's modu
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from flax import nnx
 
 TOKENIZER_FILES = ("tokenizer.json", "special_tokens.json", "tokenizer_config.json")  # travel with every checkpoint
 
@@ -47,13 +42,3 @@ def draft_dir(path: Path) -> Path:
         if (cand / "config.json").exists():
             return cand
     return path
-
-
-def save_model_dir(model: nnx.Module, out: Path, tokenizer_dir: Path) -> None:
-    """HF layout plus the tokenizer files that travel with every checkpoint we write."""
-    import models
-
-    models.save_pretrained(model, str(out))
-    for name in TOKENIZER_FILES:
-        if (tokenizer_dir / name).exists():
-            shutil.copyfile(tokenizer_dir / name, out / name)

@@ -3,7 +3,7 @@ release's own data, written in the formats serving engines load.
 
     python -m tasks.quantize --model DIR --data DIR --out DIR [--set schemes=[int8,w4a16-gptq]]
 
-Each scheme (models/quant.py: int8, w4a16/w8a16 by RTN / GPTQ / AWQ, symmetric or asymmetric, any group
+Each scheme (models/quant/: int8, w4a16/w8a16 by RTN / GPTQ / AWQ, symmetric or asymmetric, any group
 size; fp8-block) quantizes a fresh copy of the model, calibrated on `calibration.samples` packed rows of
 the data artifact's train split — the fine-tuning data, rendered with the chat template by data_prep
 (docs/quantization.md: SFT models are calibrated on their own template). Every

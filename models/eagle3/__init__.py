@@ -20,13 +20,37 @@ Tests: `pytest tests/unit/test_eagle3.py` (cache decode, TTT against explicit lo
 of the exported tensors, both layouts' round trip, `for_target` on every family).
 """
 
-from models.eagle3.config import Eagle3Config, default_aux_layer_ids
-from models.eagle3.export import load_eagle3, save_sglang, save_speculators
-from models.eagle3.loss import ttt_loss
-from models.eagle3.model import Eagle3Draft
-from models.eagle3.vocab import build_draft_vocab
+import importlib
+from typing import Any
 
-__all__ = [
-    "Eagle3Config", "Eagle3Draft", "build_draft_vocab", "default_aux_layer_ids", "load_eagle3", "save_sglang",
-    "save_speculators", "ttt_loss",
-]
+# name -> the module that defines it, imported when first used: importing one part does not import the
+# others, and `tasks/code.py` can tell what `from models.eagle3 import name` depends on.
+_LAZY = {
+    "Eagle3Config": "models.eagle3.config",
+    "default_aux_layer_ids": "models.eagle3.config",
+    "load_eagle3": "models.eagle3.export",
+    "save_sglang": "models.eagle3.export",
+    "save_speculators": "models.eagle3.export",
+    "ttt_loss": "models.eagle3.loss",
+    "Eagle3Draft": "models.eagle3.model",
+    "build_draft_vocab": "models.eagle3.vocab",
+}
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str) -> Any:  # PEP 562: import what is used, when it is first used
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+    else:
+        try:
+            value = importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError as e:
+            if e.name != f"{__name__}.{name}":
+                raise
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

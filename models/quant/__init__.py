@@ -19,28 +19,57 @@ do from compressed-tensors' formats:
 See docs/quantization.md, docs/formats/compressed-tensors.md and docs/formats/deepseek-fp8.md.
 """
 
-from models.moe import Experts  # the tests read it as quant.Experts
-from models.quant.awq import awq_layer
-from models.quant.calibration import _layer_context, _layer_forward, calibration_tokens, collect_stats
-from models.quant.driver import quantize_int8, quantize_model
-from models.quant.formats.compressed_tensors import (
-    load_experts,
-    load_linear,
-    pack,
-    prepare_for_load,
-    read_scheme,
-    to_compressed_tensors,
-    unpack,
-)
-from models.quant.formats.deepseek_fp8 import to_deepseek_fp8
-from models.quant.schemes import SCHEME_RE, Options, Scheme, parse_scheme
-from models.quant.state import iter_qmatrices, scheme_of, weight_bytes
-from models.quant.targets import check_divisible, check_supported, is_quantized, quant_units
+import importlib
+from typing import Any
 
-__all__ = [
-    "SCHEME_RE", "Experts", "Options", "Scheme",
-    "_layer_context", "_layer_forward", "awq_layer", "calibration_tokens", "check_divisible", "check_supported",
-    "collect_stats", "is_quantized", "iter_qmatrices", "load_experts", "load_linear", "pack", "parse_scheme",
-    "prepare_for_load", "quant_units", "quantize_int8", "quantize_model", "read_scheme", "scheme_of",
-    "to_compressed_tensors", "to_deepseek_fp8", "unpack", "weight_bytes",
-]
+# name -> the module that defines it. Nothing is imported until used, so `models.quant.schemes` does not import
+# the algorithms, `tasks/code.py` can tell what a `from models import name` depends on, and a config schema
+# that needs one constant does not import JAX.
+_LAZY = {
+    "Experts": "models.moe",
+    "awq_layer": "models.quant.awq",
+    "_layer_context": "models.quant.calibration",
+    "_layer_forward": "models.quant.calibration",
+    "calibration_tokens": "models.quant.calibration",
+    "collect_stats": "models.quant.calibration",
+    "quantize_int8": "models.quant.driver",
+    "quantize_model": "models.quant.driver",
+    "to_deepseek_fp8": "models.quant.formats.deepseek_fp8",
+    "load_experts": "models.quant.formats.compressed_tensors",
+    "load_linear": "models.quant.formats.compressed_tensors",
+    "pack": "models.quant.formats.compressed_tensors",
+    "prepare_for_load": "models.quant.formats.compressed_tensors",
+    "read_scheme": "models.quant.formats.compressed_tensors",
+    "to_compressed_tensors": "models.quant.formats.compressed_tensors",
+    "unpack": "models.quant.formats.compressed_tensors",
+    "SCHEME_RE": "models.quant.schemes",
+    "Options": "models.quant.schemes",
+    "Scheme": "models.quant.schemes",
+    "parse_scheme": "models.quant.schemes",
+    "iter_qmatrices": "models.quant.state",
+    "scheme_of": "models.quant.state",
+    "weight_bytes": "models.quant.state",
+    "check_divisible": "models.quant.targets",
+    "check_supported": "models.quant.targets",
+    "is_quantized": "models.quant.targets",
+    "quant_units": "models.quant.targets",
+}
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str) -> Any:  # PEP 562: import what is used, when it is first used
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+    else:
+        try:
+            value = importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError as e:
+            if e.name != f"{__name__}.{name}":
+                raise
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

@@ -29,7 +29,6 @@ See docs/quantization.md (RTN, GPTQ, AWQ).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from functools import partial
 from typing import NamedTuple
 
@@ -39,32 +38,11 @@ import ml_dtypes
 import numpy as np
 from jax import lax
 
+from models.quant.schemes import IntArgs  # noqa: F401 - the settings this math takes, re-exported
+
 FP8_MAX = 448.0
 _EPS = float(np.finfo(np.float32).eps)  # compressed-tensors' zero-scale replacement for float32 scales
 _HI = lax.Precision.HIGHEST  # full-fp32 matmuls also on GPUs that default to TF32
-
-
-@dataclass(frozen=True)
-class IntArgs:
-    """Integer weight quantization settings (compressed-tensors `QuantizationArgs`, type int)."""
-
-    bits: int  # 4 or 8
-    group_size: int | None  # None = one scale per output channel ("channel" strategy)
-    symmetric: bool = True
-
-    def qrange(self) -> tuple[int, int]:
-        return -(2 ** (self.bits - 1)), 2 ** (self.bits - 1) - 1
-
-    def groups(self, in_features: int) -> int:
-        if self.group_size is None:
-            return 1
-        if self.group_size <= 0 or in_features % self.group_size != 0:
-            raise ValueError(f"group_size {self.group_size} does not divide in_features {in_features}")
-        return in_features // self.group_size
-
-    def width(self, in_features: int) -> int:
-        """Columns per parameter set: group_size, or in_features for the channel strategy."""
-        return in_features // self.groups(in_features)
 
 
 class QTensor(NamedTuple):

@@ -24,12 +24,33 @@ import dataclasses
 import math
 import re
 
-from models.quant import quantizers as Q
-
 FP8_BLOCK = 128  # fp8-block: one scale per FP8_BLOCK x FP8_BLOCK tile
 
 SCHEME_RE = re.compile(r"(?P<w>w4a16|w8a16)(?P<asym>-asym)?-(?P<method>rtn|gptq|awq)(?P<act>-actorder)?"
                        r"(?:-g(?P<group>\d+))?")
+
+
+@dataclasses.dataclass(frozen=True)
+class IntArgs:
+    """Integer weight quantization settings (compressed-tensors `QuantizationArgs`, type int)."""
+
+    bits: int  # 4 or 8
+    group_size: int | None  # None = one scale per output channel ("channel" strategy)
+    symmetric: bool = True
+
+    def qrange(self) -> tuple[int, int]:
+        return -(2 ** (self.bits - 1)), 2 ** (self.bits - 1) - 1
+
+    def groups(self, in_features: int) -> int:
+        if self.group_size is None:
+            return 1
+        if self.group_size <= 0 or in_features % self.group_size != 0:
+            raise ValueError(f"group_size {self.group_size} does not divide in_features {in_features}")
+        return in_features // self.group_size
+
+    def width(self, in_features: int) -> int:
+        """Columns per parameter set: group_size, or in_features for the channel strategy."""
+        return in_features // self.groups(in_features)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,8 +64,8 @@ class Scheme:
     actorder: bool = False
 
     @property
-    def args(self) -> Q.IntArgs:
-        return Q.IntArgs(self.bits, self.group_size, self.symmetric)
+    def args(self) -> IntArgs:
+        return IntArgs(self.bits, self.group_size, self.symmetric)
 
     def groups(self, in_features: int) -> int:
         return math.ceil(in_features / FP8_BLOCK) if self.kind == "fp8-block" else self.args.groups(in_features)

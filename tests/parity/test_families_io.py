@@ -23,7 +23,7 @@ import transformers
 from parity_helpers import build_from_config, hf_logits, rel_err, set_expert_impl, tiny_configs
 
 from models import from_pretrained, jit_forward, save_pretrained
-from models.registry import ARCHITECTURES
+from models.families import ARCHITECTURES
 
 pytestmark = pytest.mark.parity
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -1,4 +1,4 @@
-"""Our quantized checkpoints (models/quant.py + `save_pretrained`) loaded by the reference libraries.
+"""Our quantized checkpoints (models/quant/ + `save_pretrained`) loaded by the reference libraries.
 
 Reference: docs/formats/compressed-tensors.md (`pack-quantized` / `float-quantized`),
 docs/formats/deepseek-fp8.md (DeepSeek block FP8) and docs/quantization.md (MoE). Each test builds a tiny random

@@ -71,3 +71,15 @@ def test_a_code_change_recomputes_the_stages_that_import_it_and_no_other(tree):
     assert {k for k in base if export[k] != base[k]} == {"export"}
     training = _versions(_edited(tree, "tasks/training/loop.py", lambda s: s + "\nVERSION_NOTE = 2\n"))
     assert {k for k in base if training[k] != base[k]} == {k for k, s in STAGES.items() if s.trains}
+
+
+@pytest.mark.parametrize("rel, recomputed", [
+    ("models/quant/driver.py", {"quantize"}),  # a quantization fix does not recompute the fine-tune
+    ("models/eagle3/loss.py", {"draft"}),
+    ("models/lora.py", {"finetune"}),
+    ("models/llama.py", {"base", "finetune", "quantize", "traces", "draft", "evaluate"}),  # any model loader
+])
+def test_a_model_change_recomputes_only_the_stages_that_run_it(tree, rel, recomputed):
+    base = _versions(tree)
+    after = _versions(_edited(tree, rel, lambda s: s + "\nVERSION_NOTE = 2\n"))
+    assert {k for k in base if after[k] != base[k]} == recomputed

@@ -1,4 +1,4 @@
-"""EAGLE-3 draft head (models/eagle3.py): forward and KV-cache decode, the TTT loss against explicit
+"""EAGLE-3 draft head (models/eagle3/): forward and KV-cache decode, the TTT loss against explicit
 step-by-step references, trainability, the draft vocabulary, both export layouts and `for_target`.
 
     pytest tests/unit/test_eagle3.py

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from models.families import family
 from models.lora import (
     ALL_LINEAR,
     apply_lora,
@@ -20,7 +21,6 @@ from models.lora import (
     merge_lora,
 )
 from models.moe import Experts
-from models.registry import family
 
 pytestmark = pytest.mark.unit
 jax.config.update("jax_default_matmul_precision", "highest")

@@ -1,4 +1,4 @@
-"""FP8 block dequantisation (models/formats.py, docs/formats/deepseek-fp8.md): `W · weight_scale_inv` per 128×128
+"""FP8 block dequantisation (models/quant/formats/, docs/formats/deepseek-fp8.md): `W · weight_scale_inv` per 128×128
 tile, edge tiles included, bit for bit against torch's float8_e4m3fn and transformers' own dequantizer, and the
 `DequantizingCheckpoint` view the loader reads FP8 checkpoints through."""
 

@@ -1,4 +1,4 @@
-"""MXFP4 expert weights (models/formats.py) bit for bit against transformers 5.24
+"""MXFP4 expert weights (models/quant/formats/) bit for bit against transformers 5.24
 `integrations.mxfp4.convert_moe_packed_tensors` (docs/formats/deepseek-fp8.md).
 
 convert_moe_packed_tensors decodes blocks [E, out, G, 16] + scales [E, out, G] to [E, out, G·32] and

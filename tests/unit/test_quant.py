@@ -1,4 +1,4 @@
-"""Model-level quantization (models/quant.py) and the quantize stage's inputs (tasks/quantize.py):
+"""Model-level quantization (models/quant/) and the quantize stage's inputs (tasks/quantize.py):
 scheme names, calibration statistics (padding excluded, per expert on routed tokens), AWQ folding that
 leaves the float model unchanged, GPTQ vs RTN on a model, MoE fallback and coverage, the quantized
 forward, checkpoint round trips, and the clear errors (group size, ignore list, calibration data)."""

@@ -1,4 +1,4 @@
-"""Post-training quantization math (models/quantizers.py): min-max params, RTN, GPTQ, AWQ search, FP8 block.
+"""Post-training quantization math (models/quant/quantizers.py): min-max params, RTN, GPTQ, AWQ search, FP8 block.
 
 Integer params and codes are checked bit for bit against compressed-tensors 0.20
 (`calculate_qparams`, `lifecycle.forward.quantize` / `dequantize`); GPTQ against an unbatched float64

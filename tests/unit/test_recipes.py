@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import yaml
 
 from tasks.configs import DraftConfig, ReleaseConfig
@@ -49,3 +53,14 @@ def test_the_default_recipe_states_only_differences():
         return out
 
     assert restated(data, default) == ["name"]  # the name is stated for the reader; it is also the default
+
+
+def test_a_recipe_is_validated_without_jax():
+    """The CLI's preflight parses the recipe before any stage, and a scheduler may validate one on a machine
+    without accelerators: neither imports JAX for it."""
+    code = ("import sys; from tasks.recipe import load_release; "
+            "load_release('tiny', ['finetune.train.steps=3', 'quantize.schemes=[int8, w4a16-awq-g64]']); "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'flax', 'optax', 'orbax')))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2], capture_output=True,
+                         text=True, check=True)
+    assert out.stdout.strip() == "[]"

@@ -1,0 +1,19 @@
+"""A trained model written out: HF layout (models/hf.py) plus the tokenizer files every checkpoint carries."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from flax import nnx
+
+from models.hf import save_pretrained
+from tasks.layout import TOKENIZER_FILES
+
+
+def save_model_dir(model: nnx.Module, out: Path, tokenizer_dir: Path) -> None:
+    """HF layout plus the tokenizer files that travel with every checkpoint we write."""
+    save_pretrained(model, str(out))
+    for name in TOKENIZER_FILES:
+        if (tokenizer_dir / name).exists():
+            shutil.copyfile(tokenizer_dir / name, out / name)
