@@ -1,6 +1,6 @@
 """The decoder skeleton every family shares: masks, positions and the KV cache for one call, the
-grouped-query attention block (Llama, Qwen3, Qwen3-MoE, GLM-4.5, GPT-OSS), the SwiGLU MLP, the
-pre-norm decoder layer and the causal-LM forward.
+grouped-query attention block (Llama, Qwen3, Qwen3-MoE, GLM-4.5, GPT-OSS), the pre-norm decoder
+layer and the causal-LM forward (the SwiGLU MLP is in models/layers.py, where models/moe.py uses it too).
 
 Mirrors docs/models/decoder.md (pre-norm skeleton, GQA, masks, sliding window = W keys including the
 current token, tied heads, QK-norm before RoPE), docs/models/gpt-oss.md (sinks) and
