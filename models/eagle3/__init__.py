@@ -20,8 +20,7 @@ Tests: `pytest tests/unit/test_eagle3.py` (cache decode, TTT against explicit lo
 of the exported tensors, both layouts' round trip, `for_target` on every family).
 """
 
-import importlib
-from typing import Any
+from models.lazy import exports
 
 # name -> the module that defines it, imported when first used: importing one part does not import the
 # others, and `tasks/code.py` can tell what `from models.eagle3 import name` depends on.
@@ -36,21 +35,4 @@ _LAZY = {
     "build_draft_vocab": "models.eagle3.vocab",
 }
 __all__ = sorted(_LAZY)
-
-
-def __getattr__(name: str) -> Any:  # PEP 562: import what is used, when it is first used
-    if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name]), name)
-    else:
-        try:
-            value = importlib.import_module(f"{__name__}.{name}")
-        except ModuleNotFoundError as e:
-            if e.name != f"{__name__}.{name}":
-                raise
-            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = exports(__name__, _LAZY)

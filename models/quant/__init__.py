@@ -19,8 +19,7 @@ do from compressed-tensors' formats:
 See docs/quantization.md, docs/formats/compressed-tensors.md and docs/formats/deepseek-fp8.md.
 """
 
-import importlib
-from typing import Any
+from models.lazy import exports
 
 # name -> the module that defines it. Nothing is imported until used, so `models.quant.schemes` does not import
 # the algorithms, `tasks/code.py` can tell what a `from models import name` depends on, and a config schema
@@ -55,21 +54,4 @@ _LAZY = {
     "quant_units": "models.quant.targets",
 }
 __all__ = sorted(_LAZY)
-
-
-def __getattr__(name: str) -> Any:  # PEP 562: import what is used, when it is first used
-    if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name]), name)
-    else:
-        try:
-            value = importlib.import_module(f"{__name__}.{name}")
-        except ModuleNotFoundError as e:
-            if e.name != f"{__name__}.{name}":
-                raise
-            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = exports(__name__, _LAZY)

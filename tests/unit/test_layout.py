@@ -10,10 +10,11 @@
 
 from __future__ import annotations
 
-import ast
 import re
 import subprocess
 from pathlib import Path
+
+from tasks.code import imports, modules
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("models", "tasks", "storage", "flows")
@@ -21,42 +22,10 @@ STAGE_MODULES = ("tasks.data_prep", "tasks.base_model", "tasks.finetune", "tasks
                  "tasks.draft", "tasks.evaluate", "tasks.export")
 
 
-def _modules() -> dict[str, Path]:
-    out = {}
-    for pkg in PACKAGES:
-        for f in (ROOT / pkg).rglob("*.py"):
-            name = ".".join(f.relative_to(ROOT).with_suffix("").parts)
-            out[name.removesuffix(".__init__")] = f
-    return out
-
-
 def import_graph() -> dict[str, set[str]]:
-    """module -> the repository modules it imports (anywhere in its body)."""
-    mods = _modules()
-
-    def resolve(name: str) -> str | None:
-        while name and name not in mods:
-            name = name.rpartition(".")[0]
-        return name or None
-
-    graph = {}
-    for mod, path in mods.items():
-        deps: set[str] = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Import):
-                deps |= {r for a in node.names if (r := resolve(a.name))}
-            elif isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:
-                    parts = mod.split(".") if path.name == "__init__.py" else mod.split(".")[:-1]
-                    base = ".".join(parts[:len(parts) - node.level + 1] + ([base] if base else []))
-                for a in node.names:
-                    full = f"{base}.{a.name}"
-                    if (r := resolve(full if full in mods else base)):
-                        deps.add(r)
-        deps.discard(mod)
-        graph[mod] = deps
-    return graph
+    """module -> the repository modules it imports (anywhere in its body; tasks/code.py's reading), less its
+    own enclosing packages (a submodule runs its package's __init__ first; that is not a circle)."""
+    return {m: {d for d in imports(m, PACKAGES) if not m.startswith(d + ".")} for m in modules(PACKAGES)}
 
 
 def circles(graph: dict[str, set[str]]) -> list[list[str]]:
