@@ -7,14 +7,26 @@ which module a `from package import name` depends on.
 from __future__ import annotations
 
 import importlib
+import types
 from collections.abc import Callable
 from typing import Any
 
 
 def exports(package: str, table: dict[str, str]) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
     """(`__getattr__`, `__dir__`) for `package`: a name of `table` comes from its module, any other name
-    is tried as a submodule (`models.lora` after `import models`)."""
-    namespace = importlib.import_module(package).__dict__
+    is tried as a submodule (`models.lora` after `import models`). A submodule named like one of the
+    names (`models.generate`, the module, and `models.generate`, the function) does not replace the name
+    on the package when it is imported: the package's attribute stays the exported object."""
+    module = importlib.import_module(package)
+    namespace = module.__dict__
+
+    class LazyPackage(type(module)):
+        def __setattr__(self, name: str, value: Any) -> None:
+            if name in table and isinstance(value, types.ModuleType) and value.__name__ == f"{package}.{name}":
+                return  # the import system binding the submodule: the export keeps the name
+            super().__setattr__(name, value)
+
+    module.__class__ = LazyPackage
 
     def getattr_(name: str) -> Any:
         if name in table:
