@@ -387,7 +387,7 @@ def case_base_vocab_larger_than_model(d, ctx):
     from flax import nnx
 
     import models
-    from tasks.finetune import save_model_dir
+    from tasks.training.save import save_model_dir
 
     cfg = json.loads((ctx["base"] / "config.json").read_text())
     small = models.LlamaConfig.tiny(vocab_size=300, bos_token_id=cfg["bos_token_id"], eos_token_id=cfg["eos_token_id"],
