@@ -120,7 +120,7 @@ def run(config: BaseModelConfig, inputs: Mapping[str, Path], output: Path, *, pr
         return import_checkpoint(config.url, output)
     if "data" not in inputs:
         raise ValueError("base: pretraining needs a `data` input (or set base.url to import a checkpoint)")
-    ckpt = context.checkpoints(config.train.keep_checkpoints) if context is not None else None
+    ckpt = Checkpoints.for_stage(context, config.train.keep_checkpoints) if context is not None else None
     try:
         return pretrain(config, inputs["data"], output, checkpoints=ckpt, progress=progress)
     finally:

@@ -217,7 +217,7 @@ def run(config: DraftConfig, inputs: Mapping[str, Path], output: Path, *, progre
         context: StageContext | None = None) -> dict[str, Any]:
     """The stage: inputs `target` (finetune artifact or a model folder; `config.target` names the served
     variant), `traces`, optionally `init` (a previous draft to warm-start from)."""
-    ckpt = context.checkpoints(config.train.keep_checkpoints) if context is not None else None
+    ckpt = Checkpoints.for_stage(context, config.train.keep_checkpoints) if context is not None else None
     try:
         return train_draft(config, model_dir(inputs["target"], config.target), inputs["traces"], output,
                            progress=progress, init_dir=inputs.get("init"), checkpoints=ckpt)

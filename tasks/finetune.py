@@ -73,7 +73,7 @@ def run(config: FinetuneConfig, inputs: Mapping[str, Path], output: Path, *, pro
     base = model_dir(inputs["base"])
     if context is None:
         return finetune(config, base, inputs["data"], output, progress=progress, base_name=str(base.resolve()))
-    ckpt = context.checkpoints(config.train.keep_checkpoints)
+    ckpt = Checkpoints.for_stage(context, config.train.keep_checkpoints)
     try:
         return finetune(config, base, inputs["data"], output, checkpoints=ckpt, progress=progress,
                         base_name=context.key_of("base", base.relative_to(inputs["base"]).as_posix()))

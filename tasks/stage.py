@@ -68,12 +68,6 @@ class StageContext:
         """Where in the store this stage keeps its resumable side state (training checkpoints, trace shards)."""
         return self.store.url(checkpoint_prefix(self.kind, self.fingerprint))
 
-    def checkpoints(self, keep: int):
-        """Training checkpoints for this run: local, uploaded under `checkpoint_url`, resumed from there."""
-        from tasks.training.checkpoints import Checkpoints
-
-        return Checkpoints(self.checkpoint_dir, self.store, f"{self.kind}/{self.fingerprint}", keep=keep)
-
     def key_of(self, name: str, sub: str = ".") -> str:
         """Input `name` (or the folder `sub` inside it) by its key in the store: the same bytes wherever the
         store lives (a bundle's lineage, an adapter's base model name)."""

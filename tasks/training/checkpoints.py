@@ -7,13 +7,16 @@ import json
 import logging
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import orbax.checkpoint as ocp
 
 import storage
 from storage import Store
+
+if TYPE_CHECKING:
+    from tasks.stage import StageContext
 
 log = logging.getLogger("forgeline.train")
 
@@ -39,6 +42,12 @@ class Checkpoints:
         self._uploader = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-upload")
         self._pending: concurrent.futures.Future | None = None
         self._committed: list[int] = []
+
+    @classmethod
+    def for_stage(cls, context: StageContext, keep: int) -> Checkpoints:
+        """A stage run's checkpoints: local under its `checkpoint_dir`, uploaded under its checkpoint URL in
+        the store, resumed from there by a rerun of the same fingerprint."""
+        return cls(context.checkpoint_dir, context.store, f"{context.kind}/{context.fingerprint}", keep=keep)
 
     def save(self, step: int, state: dict[str, Any]) -> None:
         """Start saving `state` as `step`; returns once the arrays are copied off the devices."""

@@ -77,6 +77,7 @@ def test_a_code_change_recomputes_the_stages_that_import_it_and_no_other(tree):
     ("models/quant/driver.py", {"quantize"}),  # a quantization fix does not recompute the fine-tune
     ("models/eagle3/loss.py", {"draft"}),
     ("models/lora.py", {"finetune"}),
+    ("tasks/training/checkpoints.py", {"base", "finetune", "draft"}),  # resumable training only
     ("models/llama.py", {"base", "finetune", "quantize", "traces", "draft", "evaluate"}),  # any model loader
 ])
 def test_a_model_change_recomputes_only_the_stages_that_run_it(tree, rel, recomputed):
