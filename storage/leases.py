@@ -36,6 +36,11 @@ DEFAULT_TTL = float(os.environ.get("FORGELINE_LEASE_TTL", "120"))
 _HELD: set[str] = set()  # tokens of the leases this process holds now
 
 
+def _clock() -> float:
+    """Wall-clock seconds that expiries are written and compared in (one seam, so tests can move time)."""
+    return time.time()
+
+
 class LeaseLost(RuntimeError):
     """The lease expired and another process took it over; this holder must not commit."""
 
@@ -97,7 +102,7 @@ class Lease:
 
     @staticmethod
     def _free(body: dict[str, Any] | None) -> bool:
-        if body is None or body.get("released") or body.get("expires_at", 0) < time.time():
+        if body is None or body.get("released") or body.get("expires_at", 0) < _clock():
             return True
         if body.get("host") != socket.gethostname():
             return False
@@ -109,14 +114,14 @@ class Lease:
     def describe(body: dict[str, Any] | None) -> str:
         if body is None:
             return "nobody"
-        left = body.get("expires_at", 0) - time.time()
+        left = body.get("expires_at", 0) - _clock()
         return f"pid {body.get('pid')} on {body.get('host')} (lease renewed, expires in {left:.0f}s)"
 
     # -- taking, renewing and giving back ---------------------------------------------------------
 
     def _body(self, **extra: Any) -> bytes:
         return json.dumps({"token": self.token, "host": socket.gethostname(), "pid": os.getpid(),
-                           "pid_start": _start_time(os.getpid()), "expires_at": time.time() + self.ttl,
+                           "pid_start": _start_time(os.getpid()), "expires_at": _clock() + self.ttl,
                            **extra}).encode()
 
     def try_acquire(self) -> bool:

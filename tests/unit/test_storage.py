@@ -136,14 +136,21 @@ def test_lease_is_exclusive_until_released(root):
         storage.list_files(storage.join(root, "leases/demo/fp"), hidden=True)
 
 
-def test_expired_lease_is_taken_over_and_the_old_holder_is_fenced(root):
-    old = storage.Lease(root, "demo/expiring", ttl=3)
+def test_expired_lease_is_taken_over_and_the_old_holder_is_fenced(root, monkeypatch):
+    """Expiry is driven by moving the lease clock, not by sleeping: a sleep-based version failed
+    under CI's load when the store was slow enough for a 3 s lease to expire before the first check."""
+    from storage import leases
+
+    old = storage.Lease(root, "demo/expiring", ttl=60)
     assert old.try_acquire()
     old._stop.set()  # a holder that stopped heartbeating (frozen, partitioned)
     old._thread.join()
-    new = storage.Lease(root, "demo/expiring", ttl=30)
-    assert not new.try_acquire()
-    time.sleep(max(0.0, old._read(old.generation)["expires_at"] - time.time()) + 0.1)
+    new = storage.Lease(root, "demo/expiring", ttl=60)
+    assert not new.try_acquire()  # 60 s left on the old holder's lease
+    expires_at = old._read(old.generation)["expires_at"]
+    monkeypatch.setattr(leases, "_clock", lambda: expires_at - 1.0)
+    assert not new.try_acquire()  # one second before the expiry: still held
+    monkeypatch.setattr(leases, "_clock", lambda: expires_at + 1.0)
     assert new.try_acquire()
     with pytest.raises(storage.LeaseLost, match="taken over"):
         old.check()  # what the commit calls before writing its manifest
