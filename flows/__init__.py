@@ -10,3 +10,4 @@ import os
 _extra = os.environ.get("PREFECT_LOGGING_EXTRA_LOGGERS", "")
 if "forgeline" not in _extra.split(","):
     os.environ["PREFECT_LOGGING_EXTRA_LOGGERS"] = ",".join(x for x in (_extra, "forgeline") if x)
+

@@ -2,7 +2,8 @@
 
 The same file works with `prefect deploy --all --prefect-file infra/prefect.yaml`; this module does
 it from Python (`forgeline deploy`) so that it also runs against a test server, creates the work
-pool when it is missing, and needs no interactive prompts.
+pools when they are missing, moves the `stage/<kind>` deployments to the pools a recipe's
+`resources.<stage>` name, sets the GPU concurrency limits, and needs no interactive prompts.
 """
 
 from __future__ import annotations
@@ -41,11 +42,34 @@ def ensure_work_pool(name: str, pool_type: str = "process") -> None:
             client.create_work_pool(WorkPoolCreate(name=name, type=pool_type))
 
 
-def deploy_all(prefect_file: Path, source: Path = ROOT) -> list[tuple[str, str]]:
+def ensure_gpu_limit(pool: str, slots: int) -> None:
+    """The global concurrency limit `gpu-<pool>` with `slots` slots (created, or resized), which GPU stages
+    on `pool` occupy while they compute (flows/execution.py)."""
+    from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate, GlobalConcurrencyLimitUpdate
+
+    from flows.execution import gpu_limit_name
+
+    name = gpu_limit_name(pool)
+    with get_client(sync_client=True) as client:
+        try:
+            client.read_global_concurrency_limit_by_name(name)
+            client.update_global_concurrency_limit(name, GlobalConcurrencyLimitUpdate(limit=slots))
+        except ObjectNotFound:
+            client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=slots))
+
+
+def deploy_all(prefect_file: Path, source: Path = ROOT, *, stage_pools: dict[str, str] | None = None,
+               gpu_slots: dict[str, int] | None = None) -> list[tuple[str, str]]:
+    """Register every deployment of `prefect_file`; `stage_pools` ({kind: pool}, from a recipe) moves stage
+    deployments to other pools, `gpu_slots` ({pool: slots}) sets those pools' GPU limits."""
     spec = yaml.safe_load(Path(prefect_file).read_text())
     out = []
+    for pool, slots in (gpu_slots or {}).items():
+        ensure_gpu_limit(pool, slots)
     for dep in spec["deployments"]:
         pool = dep["work_pool"]["name"]
+        if dep["entrypoint"] == "flows/stages.py:stage_flow" and stage_pools and dep["name"] in stage_pools:
+            pool = stage_pools[dep["name"]]
         ensure_work_pool(pool, os.environ.get("FORGELINE_WORK_POOL_TYPE", "process"))
         flow = Flow.from_source(source=str(source), entrypoint=dep["entrypoint"])
         schedules = [Cron(s["cron"], timezone=s.get("timezone", "UTC"), active=s.get("active", True))

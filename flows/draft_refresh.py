@@ -18,7 +18,7 @@ from prefect.artifacts import create_markdown_artifact
 
 import storage
 from flows.release import DEFAULT_STORE
-from flows.stages import submit
+from flows.stages import Stages
 from storage import ArtifactRef, Store
 from tasks.configs import EvalConfig, Gates
 from tasks.evaluate import load_report
@@ -48,11 +48,12 @@ def draft_refresh(recipe: str = "tiny", overrides: list[str] | None = None, stor
     served = cfg.served_model(finetuned, refs.get("quant"))  # what the release serves
     current = artifacts.read_pointer(f"drafts/{cfg.name}") or refs["draft"]
     refresh = cfg.refresh
-    data = submit("data_prep[fresh]", "data_prep", refresh.data, {"tokenizer": finetuned}, store)
-    traces = submit("traces[fresh]", "traces", refresh.traces.model_copy(update={"target": cfg.serve}),
-                    {"model": served, "data": data}, store)
-    candidate = submit("draft[candidate]", "draft", refresh.draft.model_copy(update={"target": cfg.serve}),
-                       {"target": served, "traces": traces, "init": current}, store)
+    stages = Stages(store, cfg.execution, cfg.resources)
+    data = stages.run("data_prep[fresh]", "data_prep", refresh.data, {"tokenizer": finetuned})
+    traces = stages.run("traces[fresh]", "traces", refresh.traces.model_copy(update={"target": cfg.serve}),
+                        {"model": served, "data": data})
+    candidate = stages.run("draft[candidate]", "draft", refresh.draft.model_copy(update={"target": cfg.serve}),
+                           {"target": served, "traces": traces, "init": current})
     # Draft-only evaluation at temperature 0 (the promotion criterion), against the served model, on the
     # fresh data's held-out prompts; no base. Its one gate is losslessness; promotion compares the two
     # drafts' acceptance below (the release's quality gates judged the served model already).
@@ -61,8 +62,10 @@ def draft_refresh(recipe: str = "tiny", overrides: list[str] | None = None, stor
                            "gates": Gates(finetune_improves=False, min_acceptance_length=0.0,
                                           max_quant_ppl_increase=1e9)})
     eval_inputs = {"finetune": finetuned, "data": data} | ({"quant": refs["quant"]} if cfg.serve != "finetuned" else {})
-    evals = {name: submit(f"evaluate[{name}]", "evaluate", eval_cfg, eval_inputs | {"draft": d}, store)
+    evals = {name: stages.run(f"evaluate[{name}]", "evaluate", eval_cfg, eval_inputs | {"draft": d})
              for name, d in (("current", current), ("candidate", candidate))}
+    evals = {name: stages.result(e) for name, e in evals.items()}
+    candidate = stages.result(candidate)
     reports = {k: load_report(lambda name, v=v: storage.read_bytes(v.file(name))) for k, v in evals.items()}
     acceptance = {k: rep["draft"]["acceptance_length"] for k, rep in reports.items()}
     lossless = reports["candidate"]["draft"]["lossless"]

@@ -6,7 +6,9 @@
     evaluate(base, finetuned, quantized, draft) --gates--> export -> pointers/releases/<name>.json
 
 Each stage is the `stage` task (flows/stages.py): cached on its fingerprint, so re-running a
-release resumes after the last committed stage and a finished release re-runs in seconds.
+release resumes after the last committed stage and a finished release re-runs in seconds. With
+`execution: workers` the flow only orchestrates: each stage is a flow run on a worker, and stages whose
+inputs are committed run at once (flows/execution.py).
 
 Gates: export refuses a release that fails the gates in force. Gates loosened on the command line
 (`allow_weaker_gates`, recorded as waivers in the report, lineage.json and the model card) still
@@ -21,7 +23,7 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 import storage
-from flows.stages import submit
+from flows.stages import Stages
 from storage import ArtifactRef, Store
 from tasks.configs import ExportConfig
 from tasks.evaluate import load_report
@@ -30,13 +32,13 @@ from tasks.recipe import ReleaseConfig, load_release
 DEFAULT_STORE = "file://./artifacts"
 
 
-def base_stage(cfg: ReleaseConfig, store: str) -> ArtifactRef:
+def base_stage(cfg: ReleaseConfig, stages: Stages) -> Any:
     """Import `base.url`, or pretrain a base on the base corpus (the demo default)."""
     if cfg.base.url is not None:
         # The listing (names, sizes, etags/mtimes) joins the fingerprint: a changed checkpoint re-imports.
-        return submit("base", "base", cfg.base, {}, store, salt={"listing": storage.listing_signature(cfg.base.url)})
-    corpus = submit("data_prep[base]", "data_prep", cfg.base.data, {}, store)
-    return submit("base", "base", cfg.base, {"data": corpus}, store)
+        return stages.run("base", "base", cfg.base, {}, salt={"listing": storage.listing_signature(cfg.base.url)})
+    corpus = stages.run("data_prep[base]", "data_prep", cfg.base.data, {})
+    return stages.run("base", "base", cfg.base, {"data": corpus})
 
 
 def publish_report(cfg: ReleaseConfig, evaluation: ArtifactRef) -> dict[str, Any]:
@@ -65,20 +67,21 @@ def release(recipe: str = "tiny", overrides: list[str] | None = None, store: str
     cfg = load_release(recipe, overrides or [], allow_weaker_gates=allow_weaker_gates)
     store = storage.normalize_url(store)
     artifacts = Store(store)
-    base = base_stage(cfg, store)
-    data = submit("data_prep", "data_prep", cfg.data, {"tokenizer": base}, store)
-    finetuned = submit("finetune", "finetune", cfg.finetune, {"base": base, "data": data}, store)
-    quantized = submit("quantize", "quantize", cfg.quantize, {"model": finetuned, "data": data}, store)
+    stages = Stages(store, cfg.execution, cfg.resources)
+    base = base_stage(cfg, stages)
+    data = stages.run("data_prep", "data_prep", cfg.data, {"tokenizer": base})
+    finetuned = stages.run("finetune", "finetune", cfg.finetune, {"base": base, "data": data})
+    quantized = stages.run("quantize", "quantize", cfg.quantize, {"model": finetuned, "data": data})
     served = cfg.served_model(finetuned, quantized)  # the draft learns the model that will actually serve
-    traces = submit("traces", "traces", cfg.served("traces"), {"model": served, "data": data}, store)
-    draft = submit("draft", "draft", cfg.served("draft"), {"target": served, "traces": traces}, store)
-    evaluation = submit("evaluate", "evaluate", cfg.served("evaluate"),
-                        {"base": base, "finetune": finetuned, "data": data, "draft": draft, "quant": quantized}, store)
-    report = publish_report(cfg, evaluation)
-    export_cfg = ExportConfig(name=cfg.name, recipe=cfg.model_dump(mode="json"))
-    bundle = submit("export", "export", export_cfg,
-                    {"base": base, "data": data, "finetune": finetuned, "traces": traces, "draft": draft,
-                     "quant": quantized, "evaluate": evaluation}, store)
+    traces = stages.run("traces", "traces", cfg.served("traces"), {"model": served, "data": data})
+    draft = stages.run("draft", "draft", cfg.served("draft"), {"target": served, "traces": traces})
+    evaluation = stages.run("evaluate", "evaluate", cfg.served("evaluate"),
+                            {"base": base, "finetune": finetuned, "data": data, "draft": draft, "quant": quantized})
+    report = publish_report(cfg, stages.result(evaluation))
+    export_cfg = ExportConfig(name=cfg.name, recipe=cfg.recorded())
+    bundle = stages.result(stages.run(
+        "export", "export", export_cfg, {"base": base, "data": data, "finetune": finetuned, "traces": traces,
+                                         "draft": draft, "quant": quantized, "evaluate": evaluation}))
     if report["passed_as_declared"]:
         artifacts.write_pointer(f"releases/{cfg.name}", bundle)
     else:

@@ -7,7 +7,9 @@
 - results are the artifact references, serialised as JSON (no pickle), never arrays;
 - retries with exponential backoff, for storage and network outages only (`transient`) -- a bad config,
   a corrupt input (IntegrityError) or a failed gate fails at once, and is never recomputed over;
-- training stages publish a progress artifact to the UI.
+- training stages publish a progress artifact to the UI;
+- where the stage computes follows the recipe's `execution` and `resources.<stage>` (flows/execution.py):
+  in the task's process, as a gang of JAX processes, or as a flow run of `stage_flow` on a worker.
 """
 
 from __future__ import annotations
@@ -20,13 +22,15 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from prefect import task
+from prefect import flow, task
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.context import TaskRunContext
 from prefect.tasks import exponential_backoff
 
+from flows import execution as ex
 from storage import ArtifactError, ArtifactRef, Store
 from tasks import registry
+from tasks.configs import ExecutionConfig, StageResources
 
 log = logging.getLogger("forgeline.flows")
 
@@ -117,18 +121,67 @@ def _progress_reporter(name: str) -> Callable[[int, int, dict[str, float]], None
     retry_condition_fn=_retryable,
 )
 def stage_task(name: str, kind: str, config: dict[str, Any], inputs: dict[str, dict], store: str,
-               salt: dict[str, Any] | None = None) -> dict[str, Any]:
+               salt: dict[str, Any] | None = None, resources: dict[str, Any] | None = None,
+               execution: dict[str, Any] | None = None) -> dict[str, Any]:
     """One registered stage (tasks/registry.py) in the commit protocol; returns its reference as JSON.
-    The config arrives as JSON (a Prefect parameter) and is validated once, here."""
+    The config arrives as JSON (a Prefect parameter) and is validated once, here. With `execution.mode`
+    workers the stage runs as its own flow run on a worker and this task waits for its commit."""
     t0 = time.perf_counter()
     spec = registry.stage(kind)
     refs = {k: ArtifactRef.from_dict(v) for k, v in inputs.items()}
+    res = StageResources.model_validate(resources or {})
+    mode = ExecutionConfig.model_validate(execution or {})
+    if mode.mode == "workers":
+        fp = registry.fingerprint(kind, config, refs, salt)
+        done = Store(store).lookup(kind, fp)
+        ref = done or ex.run_on_worker(name, kind, dict(config), dict(inputs), store, salt, fp, res, mode)
+        _announce(StageEvent(name, kind, ref, done is None, time.perf_counter() - t0))
+        return ref.to_dict()
     computed: list[bool] = []  # set when this process computes the stage (not when it waits for another)
     ref = registry.run_stage(Store(store), kind, spec.parse(config), refs, salt=salt,
                              progress=_progress_reporter(name) if spec.trains else None,
-                             on_compute=lambda: computed.append(True))
+                             on_compute=lambda: computed.append(True), runner=ex.runner_for(res))
     _announce(StageEvent(name, kind, ref, bool(computed), time.perf_counter() - t0))
     return ref.to_dict()
+
+
+def route_logs() -> None:
+    """Send the `forgeline` loggers' lines to this run's logs. Prefect does so for the loggers named in
+    PREFECT_LOGGING_EXTRA_LOGGERS when it reads its settings, at its import; in a process that imported
+    Prefect before flows/ (a worker running a deployment's entrypoint), copy its handlers here."""
+    ours = logging.getLogger("forgeline")
+    for handler in logging.getLogger("prefect.extra").handlers:
+        if handler not in ours.handlers:
+            ours.addHandler(handler)
+    if ours.level == logging.NOTSET:
+        ours.setLevel(logging.INFO)
+
+
+@flow(name=ex.STAGE_FLOW, flow_run_name="{name}", log_prints=True)
+def stage_flow(name: str, kind: str, config: dict[str, Any], inputs: dict[str, dict], store: str,
+               salt: dict[str, Any] | None = None, resources: dict[str, Any] | None = None,
+               pool: str | None = None) -> dict[str, Any]:
+    """One stage as its own flow run (the `stage/<kind>` deployments a workers-mode release starts): the
+    commit protocol in this process, the compute here or in a gang (`resources.hosts`), holding
+    `accelerators * hosts` slots of the pool's GPU limit while it computes."""
+    from prefect.concurrency.sync import concurrency
+
+    route_logs()
+    spec = registry.stage(kind)
+    res = StageResources.model_validate(resources or {})
+    refs = {k: ArtifactRef.from_dict(v) for k, v in inputs.items()}
+    slots = res.accelerators * res.hosts
+    limit = ex.gpu_limit_name(pool) if pool and slots else None
+
+    def compute() -> ArtifactRef:
+        return registry.run_stage(Store(store), kind, spec.parse(config), refs, salt=salt,
+                                  progress=_progress_reporter(name) if spec.trains else None,
+                                  runner=ex.runner_for(res))
+
+    if limit is None:
+        return compute().to_dict()
+    with concurrency(limit, occupy=slots, strict=False):
+        return compute().to_dict()
 
 
 def _announce(event: StageEvent) -> None:
@@ -137,15 +190,47 @@ def _announce(event: StageEvent) -> None:
 
 
 def submit(name: str, kind: str, config: Any, inputs: Mapping[str, ArtifactRef], store: str,
-           salt: Mapping[str, Any] | None = None) -> ArtifactRef:
+           salt: Mapping[str, Any] | None = None, resources: StageResources | None = None,
+           execution: ExecutionConfig | None = None) -> ArtifactRef:
     """Run stage `kind` as the Prefect task named `name`; a cache hit (the task body never ran) is announced
     as skipped here."""
-    cfg = config.model_dump(mode="json") if hasattr(config, "model_dump") else dict(config)
     t0 = time.perf_counter()
-    state = stage_task(name, kind, cfg, {k: v.to_dict() for k, v in inputs.items()}, store,
-                  dict(salt) if salt else None, return_state=True)
+    state = stage_task(name, kind, *_arguments(config, inputs, store, salt, resources, execution), return_state=True)
     ref = ArtifactRef.from_dict(state.result())
     if state.name == "Cached":
         _announce(StageEvent(name, kind, ref, False, time.perf_counter() - t0))
     return ref
 
+
+def _arguments(config: Any, inputs: Mapping[str, Any], store: str, salt: Mapping[str, Any] | None,
+               resources: StageResources | None, execution: ExecutionConfig | None) -> tuple:
+    cfg = config.model_dump(mode="json") if hasattr(config, "model_dump") else dict(config)
+    refs = {k: v.to_dict() if isinstance(v, ArtifactRef) else v for k, v in inputs.items()}
+    return (cfg, refs, store, dict(salt) if salt else None,
+            resources.model_dump(mode="json") if resources is not None else None,
+            execution.model_dump(mode="json") if execution is not None else None)
+
+
+class Stages:
+    """The release DAG's stages, run the way the recipe's `execution` says.
+
+    `inline`: each `run` computes its stage before returning (an ArtifactRef). `workers`: each `run`
+    submits its stage task at once and returns a future; a stage starts as soon as the stages it reads
+    have committed, so independent branches (quantize and traces when the fine-tuned model is served)
+    run at the same time on different workers. `result(x)` gives the ArtifactRef either way."""
+
+    def __init__(self, store: str, execution: ExecutionConfig, resources: Any):
+        self.store, self.execution, self.resources = store, execution, resources
+
+    def run(self, name: str, kind: str, config: Any, inputs: Mapping[str, Any],
+            salt: Mapping[str, Any] | None = None) -> Any:
+        res = self.resources.of(kind)
+        if self.execution.mode == "inline":
+            return submit(name, kind, config, {k: self.result(v) for k, v in inputs.items()}, self.store, salt,
+                          res, self.execution)
+        return stage_task.with_options(task_run_name=name).submit(
+            name, kind, *_arguments(config, inputs, self.store, salt, res, self.execution))
+
+    @staticmethod
+    def result(handle: Any) -> ArtifactRef:
+        return handle if isinstance(handle, ArtifactRef) else ArtifactRef.from_dict(handle.result())

@@ -266,6 +266,66 @@ class RefreshConfig(BaseModel):
     min_acceptance_ratio: float = 1.0  # promote only if new acceptance >= ratio * current
 
 
+class StageResources(BaseModel):
+    """What one run of a stage needs, and where it runs (workers execution only: never part of a fingerprint).
+
+    Mapped onto the work pool's job variables by flows/execution.py: on a Kubernetes pool `accelerators` is
+    the container's `nvidia.com/gpu`, `memory_gib` its memory, `node_selector`/`tolerations`/`image` the pod's;
+    on a process pool (one machine) only `hosts` and the environment apply.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    accelerators: int = Field(0, ge=0, le=64)  # GPUs per host; 0: a CPU node
+    hosts: int = Field(1, ge=1, le=4096)  # > 1: the stage runs as one gang of `hosts` JAX processes
+    memory_gib: int | None = Field(None, ge=1)
+    cpus: int | None = Field(None, ge=1)
+    pool: str | None = None  # the work pool; None: execution.gpu_pool or execution.cpu_pool by `accelerators`
+    image: str | None = None
+    node_selector: dict[str, str] = {}
+    tolerations: tuple[dict[str, Any], ...] = ()
+
+
+_CPU, _GPU = StageResources(), StageResources(accelerators=1)
+
+
+class ResourcesConfig(BaseModel):
+    """`resources.<stage>` for every stage: data prep and export on CPU nodes, the rest on one GPU each."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    data_prep: StageResources = _CPU
+    base: StageResources = _GPU
+    finetune: StageResources = _GPU
+    quantize: StageResources = _GPU
+    traces: StageResources = _GPU
+    draft: StageResources = _GPU
+    evaluate: StageResources = _GPU
+    export: StageResources = _CPU
+
+    def of(self, kind: str) -> StageResources:
+        return getattr(self, kind)
+
+
+class ExecutionConfig(BaseModel):
+    """How a release's stages are run: `inline` (every stage in the flow's own process, one after the other)
+    or `workers` (each stage a flow run of its own deployment on a work pool, independent stages at once)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    mode: Literal["inline", "workers"] = "inline"
+    gpu_pool: str = "forgeline-gpu"
+    cpu_pool: str = "forgeline-cpu"
+    # How long the orchestrator waits for one stage's flow run to end (a multi-day training stage needs more).
+    stage_timeout_s: int = Field(7 * 24 * 3600, ge=10)
+    # A stage run that ends Crashed (its worker died) is launched again this many times; it resumes from its
+    # checkpoints. Failed runs (a bad input, a diverged loss) are not retried.
+    crash_retries: int = Field(2, ge=0, le=10)
+
+    def pool(self, resources: StageResources) -> str:
+        return resources.pool or (self.gpu_pool if resources.accelerators else self.cpu_pool)
+
+
 class ReleaseConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -281,6 +341,14 @@ class ReleaseConfig(BaseModel):
     # The model the release serves and the draft is trained and measured against: the fine-tuned
     # weights or one of `quantize.schemes` (a quantized target shifts the distribution the draft must match).
     serve: str = "finetuned"
+    # Where the stages run (not part of any fingerprint: a stage committed by one mode is reused by the other).
+    execution: ExecutionConfig = ExecutionConfig()
+    resources: ResourcesConfig = ResourcesConfig()
+
+    @field_validator("execution", mode="before")
+    @classmethod
+    def _execution_mode(cls, v: Any) -> Any:
+        return {"mode": v} if isinstance(v, str) else v  # `execution: workers` is short for `execution.mode`
     # Gates the command line loosened (`load_release(..., allow_weaker_gates=True)`); set by forgeline, never
     # by a recipe: {gate, declared, effective} each.
     waivers: tuple[dict[str, Any], ...] = ()
@@ -295,6 +363,11 @@ class ReleaseConfig(BaseModel):
                              "users (enable finetune_improves, speculative_lossless, min_acceptance_length > 0 or "
                              "ship a quantize scheme)")
         return self
+
+    def recorded(self) -> dict[str, Any]:
+        """The recipe as the bundle records it (export's config, hence its fingerprint): everything that
+        decides what the release computes, without the execution settings that only decide where."""
+        return self.model_dump(mode="json", exclude={"execution", "resources"})
 
     def refresh_ratio_declared(self) -> float:
         """The draft refresh's promotion threshold as the recipe declares it (a waiver may lower the one in force)."""

@@ -1,5 +1,6 @@
-"""Every stage by name: one record each, naming its module, its config schema, its inputs, whether it
-trains, and what it needs to run on (the flows dispatch on these records; docs/architecture.md).
+"""Every stage by name: one record each, naming its module, its config schema, its inputs and whether it
+trains (the flows dispatch on these records; docs/architecture.md). What a stage runs on is the recipe's
+`resources.<stage>` (tasks/configs.py: ResourcesConfig).
 
 Importing this module imports no stage (and no JAX): a stage's module is imported when it first runs.
 `run_stage(store, kind, config, inputs)` runs a registered stage by name, inside the commit protocol of
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
@@ -32,18 +33,6 @@ from tasks.stage import Progress, StageContext, fingerprint_of, run_once
 
 
 @dataclass(frozen=True)
-class Resources:
-    """What one run of a stage needs by default (a recipe's execution settings may override it)."""
-
-    accelerators: int = 0  # GPUs per host; 0: a CPU node
-    hosts: int = 1
-    memory_gib: int | None = None
-
-
-CPU, GPU = Resources(), Resources(accelerators=1)
-
-
-@dataclass(frozen=True)
 class Stage:
     """A stage: `tasks/<module>.py` exposes `run(config, inputs, output, *, progress, context)`."""
 
@@ -53,7 +42,6 @@ class Stage:
     inputs: tuple[str, ...]  # required input artifacts, by the name `run` receives them under
     optional: tuple[str, ...] = ()
     trains: bool = False  # shows training progress; resumes from checkpoints
-    resources: Resources = field(default=CPU)
 
     def load(self) -> ModuleType:
         return importlib.import_module(f"tasks.{self.module}")
@@ -75,13 +63,12 @@ class Stage:
 
 STAGES: dict[str, Stage] = {s.name: s for s in (
     Stage("data_prep", "data_prep", DataPrepConfig, (), optional=("tokenizer",)),
-    Stage("base", "base_model", BaseModelConfig, (), optional=("data",), trains=True, resources=GPU),
-    Stage("finetune", "finetune", FinetuneConfig, ("base", "data"), trains=True, resources=GPU),
-    Stage("quantize", "quantize", QuantizeConfig, ("model", "data"), resources=GPU),
-    Stage("traces", "traces", TracesConfig, ("model", "data"), resources=GPU),
-    Stage("draft", "draft", DraftConfig, ("target", "traces"), optional=("init",), trains=True, resources=GPU),
-    Stage("evaluate", "evaluate", EvalConfig, ("finetune", "data"), optional=("base", "draft", "quant"),
-          resources=GPU),
+    Stage("base", "base_model", BaseModelConfig, (), optional=("data",), trains=True),
+    Stage("finetune", "finetune", FinetuneConfig, ("base", "data"), trains=True),
+    Stage("quantize", "quantize", QuantizeConfig, ("model", "data")),
+    Stage("traces", "traces", TracesConfig, ("model", "data")),
+    Stage("draft", "draft", DraftConfig, ("target", "traces"), optional=("init",), trains=True),
+    Stage("evaluate", "evaluate", EvalConfig, ("finetune", "data"), optional=("base", "draft", "quant")),
     Stage("export", "export", ExportConfig, ("base", "data", "finetune", "traces", "draft", "quant", "evaluate")),
 )}
 
@@ -105,17 +92,27 @@ def _recorded(cfg: BaseModel, salt: Mapping[str, Any] | None) -> dict[str, Any]:
     return {**cfg.model_dump(mode="json"), **({"_salt": dict(salt)} if salt else {})}
 
 
+# How a stage's compute runs once the commit protocol has its lease and its inputs on local disk: in this
+# process (`in_process`), or as N processes of one JAX job (flows/gang.py), which write into `ctx.out_dir` too.
+Runner = Callable[[Stage, BaseModel, StageContext, Progress | None], dict[str, Any]]
+
+
+def in_process(spec: Stage, cfg: BaseModel, ctx: StageContext, progress: Progress | None) -> dict[str, Any]:
+    return spec.load().run(cfg, ctx.inputs, ctx.out_dir, progress=progress, context=ctx)
+
+
 def run_stage(store: Store, kind: str, config: BaseModel | Mapping[str, Any], inputs: Mapping[str, ArtifactRef], *,
               salt: Mapping[str, Any] | None = None, progress: Progress | None = None, force: bool = False,
-              on_compute: Callable[[], None] | None = None) -> ArtifactRef:
+              on_compute: Callable[[], None] | None = None, runner: Runner = in_process) -> ArtifactRef:
     """Run one registered stage (skipped when its fingerprint is already committed; `on_compute` is called
-    when this process, rather than another one holding the stage's lease, computes it)."""
+    when this process, rather than another one holding the stage's lease, computes it). `runner` decides
+    where the compute happens; it is not part of the fingerprint."""
     spec = stage(kind)
     spec.check_inputs(inputs)
     cfg = spec.parse(config)
 
     def work(ctx: StageContext) -> dict[str, Any]:
-        return spec.load().run(cfg, ctx.inputs, ctx.out_dir, progress=progress, context=ctx)
+        return runner(spec, cfg, ctx, progress)
 
     return run_once(store, kind, _recorded(cfg, salt), inputs, work, code=f"tasks.{spec.module}", force=force,
                     on_compute=on_compute)

@@ -1,0 +1,171 @@
+"""Where a stage runs: in the flow's process, as a gang of JAX processes, or as its own flow run on a worker.
+
+- `inline` (the default): every stage runs inside the release flow's process, one after the other.
+- `workers`: the release flow only orchestrates. Each stage is a flow run of the `stage/<kind>` deployment
+  (flows/stages.py: `stage_flow`) on the work pool its `resources.<stage>` names, started with
+  `run_deployment` (a child run of the release in the UI) under an idempotency key derived from the stage's
+  fingerprint, so a retried orchestrator finds the run it started before instead of starting another.
+  The stage's resources become the pool's job variables (`job_variables`). A run that ends Crashed (its
+  worker or node died) is started again, `execution.crash_retries` times; it resumes from the stage's
+  checkpoints. The artifact itself is read back from the store, never from Prefect's result storage: the
+  manifest is the one source of truth in both modes, so a stage committed by one mode is reused by the other.
+- `hosts: N > 1` (either mode): the stage's compute runs as one gang of N JAX processes (flows/gang.py,
+  `tasks/member.py`) while the process that holds the stage's lease commits what process 0 wrote.
+
+GPU slots: a GPU stage holds `accelerators * hosts` slots of the Prefect global concurrency limit
+`gpu-<pool>` while it computes (created by `forgeline deploy --gpu-slots N` or `forgeline stack up`), so a
+pool whose workers share N GPUs never runs stages needing more than N at once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel
+
+from flows.gang import run_gang
+from storage import ArtifactRef, Store
+from tasks.configs import ExecutionConfig, StageResources
+from tasks.registry import Runner, Stage, in_process
+from tasks.stage import Progress, StageContext, work_root
+
+log = logging.getLogger("forgeline.flows")
+
+STAGE_FLOW = "stage"  # the flow name of flows/stages.py:stage_flow; deployments are `stage/<kind>`
+
+
+class StageRunFailed(RuntimeError):
+    """A stage's flow run on a worker ended without committing its artifact."""
+
+
+def gpu_limit_name(pool: str) -> str:
+    return f"gpu-{pool}"
+
+
+def deployment_name(kind: str) -> str:
+    return f"{STAGE_FLOW}/{kind}"
+
+
+# -- resources -> a pool's job variables --------------------------------------------------------------
+
+def job_variables(resources: StageResources, pool_type: str) -> dict[str, Any]:
+    """The recipe's resource hints as the job variables of a pool of type `pool_type`.
+
+    Kubernetes pools (infra/work-pools/kubernetes-gpu.json): `gpu_count` (the container's nvidia.com/gpu),
+    `memory`, `cpu`, `node_selector`, `tolerations`, `image`, each only when the recipe sets it, so the
+    pool's defaults apply otherwise. A process pool runs on the worker's own machine: nothing to map.
+    A multi-host stage on Kubernetes asks for one host's share here; its gang is rendered as an indexed
+    Job (infra/jobset) from the same hints."""
+    if pool_type != "kubernetes":
+        return {}
+    out: dict[str, Any] = {"gpu_count": resources.accelerators}
+    if resources.memory_gib is not None:
+        out["memory"] = f"{resources.memory_gib}Gi"
+    if resources.cpus is not None:
+        out["cpu"] = str(resources.cpus)
+    if resources.node_selector:
+        out["node_selector"] = dict(resources.node_selector)
+    if resources.tolerations:
+        out["tolerations"] = [dict(t) for t in resources.tolerations]
+    if resources.image:
+        out["image"] = resources.image
+    return out
+
+
+# -- a gang of JAX processes for one stage's compute ---------------------------------------------------
+
+def gang_runner(hosts: int, *, per_process_env: list[dict[str, str]] | None = None,
+                timeout: float | None = None) -> Runner:
+    """A `Runner` (tasks/registry.py) that computes the stage as `hosts` processes of one JAX job on this
+    machine; their lines go to the `forgeline.gang` log tagged `[p<i>]`, process 0's training progress to
+    the stage's `progress`."""
+    from tasks.member import PROGRESS_PREFIX
+
+    def run(spec: Stage, cfg: BaseModel, ctx: StageContext, progress: Progress | None) -> dict[str, Any]:
+        tmp = Path(tempfile.mkdtemp(prefix=f"{spec.name}-gang-", dir=work_root()))
+        member = {"kind": spec.name, "config": cfg.model_dump(mode="json"), "fingerprint": ctx.fingerprint,
+                  "store": ctx.store.root, "inputs": {k: str(v) for k, v in ctx.inputs.items()},
+                  "refs": {k: r.to_dict() for k, r in ctx.refs.items()}, "out": str(ctx.out_dir),
+                  "stats": str(tmp / "stats.json")}
+        (tmp / "member.json").write_text(json.dumps(member))
+        gang_log = logging.getLogger("forgeline.gang")
+
+        def on_line(i: int, line: str) -> None:
+            if line.startswith(PROGRESS_PREFIX):
+                if progress is not None and i == 0:
+                    p = json.loads(line[len(PROGRESS_PREFIX):])
+                    progress(p["step"], p["total"], p["metrics"])
+                return
+            gang_log.info("[p%d] %s", i, line)
+
+        try:
+            run_gang([sys.executable, "-m", "tasks.member", str(tmp / "member.json")], hosts, on_line=on_line,
+                     per_process_env=per_process_env, timeout=timeout)
+            return json.loads((tmp / "stats.json").read_text())
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    return run
+
+
+def runner_for(resources: StageResources) -> Runner:
+    return gang_runner(resources.hosts) if resources.hosts > 1 else in_process
+
+
+# -- workers: one flow run per stage -----------------------------------------------------------------
+
+def idempotency_key(kind: str, fingerprint: str, store: str, attempt: int) -> str:
+    """The same stage for the same store gets the same key: a retried orchestrator re-attaches to the run
+    it started. `attempt` > 0 after a crashed run, whose key is spent."""
+    where = hashlib.sha256(store.encode()).hexdigest()[:12]
+    return f"forgeline-{kind}-{fingerprint}-{where}-{attempt}"
+
+
+def run_on_worker(name: str, kind: str, config: dict[str, Any], inputs: dict[str, dict], store: str,
+                  salt: dict[str, Any] | None, fingerprint: str, resources: StageResources,
+                  execution: ExecutionConfig) -> ArtifactRef:
+    """Start stage `kind` as a flow run of its deployment and wait for it; the committed artifact."""
+    from prefect.client.orchestration import get_client
+    from prefect.deployments import run_deployment
+
+    pool = execution.pool(resources)
+    with get_client(sync_client=True) as client:
+        deployment = client.read_deployment_by_name(deployment_name(kind))
+        if deployment.work_pool_name != pool:
+            raise StageRunFailed(f"resources.{kind}.pool: the deployment {deployment_name(kind)} runs on pool "
+                                 f"{deployment.work_pool_name!r}, the recipe asks for {pool!r} (run `forgeline "
+                                 f"deploy --recipe ...` to register the stage deployments on the recipe's pools)")
+        pool_type = client.read_work_pool(pool).type
+    params = {"name": name, "kind": kind, "config": config, "inputs": inputs, "store": store, "salt": salt,
+              "resources": resources.model_dump(mode="json"), "pool": pool}
+    artifacts = Store(store)
+    for attempt in range(execution.crash_retries + 1):
+        run = run_deployment(deployment_name(kind), parameters=params, flow_run_name=name,
+                             job_variables=job_variables(resources, pool_type), tags=["forgeline", f"stage:{kind}"],
+                             idempotency_key=idempotency_key(kind, fingerprint, store, attempt),
+                             timeout=execution.stage_timeout_s, poll_interval=2)
+        state = run.state
+        if state is not None and state.is_completed():
+            ref = artifacts.lookup(kind, fingerprint)
+            if ref is not None:
+                log.info("%s: committed by flow run %s on %s", name, run.name, pool)
+                return ref
+            log.warning("%s: flow run %s completed but %s/%s is not committed (deleted since?); running it again",
+                        name, run.name, kind, fingerprint)
+            continue
+        if state is not None and state.is_crashed() and attempt < execution.crash_retries:
+            log.warning("%s: flow run %s crashed (%s); starting it again (attempt %d of %d), it resumes from its "
+                        "checkpoints", name, run.name, state.message, attempt + 2, execution.crash_retries + 1)
+            continue
+        what = "did not finish within execution.stage_timeout_s" if state is None or not state.is_final() \
+            else f"ended {state.name}"
+        raise StageRunFailed(f"stage {name}: flow run {run.name} {what}: {(state.message if state else '') or ''}"
+                             .rstrip(": "))
+    raise StageRunFailed(f"stage {name}: no committed artifact after {execution.crash_retries + 1} flow runs")
