@@ -3,7 +3,9 @@
     forgeline release [--recipe NAME|FILE] [--store URL] [--set key=value ...] [--allow-weaker-gates]
     forgeline draft-refresh [--recipe NAME|FILE] [--store URL] [--set key=value ...] [--allow-weaker-gates]
     forgeline verify URL [--store URL] [--no-lineage]
-    forgeline deploy [--prefect-file infra/prefect.yaml]
+    forgeline deploy [--prefect-file infra/prefect.yaml] [--recipe NAME|FILE] [--gpu-slots N]
+    forgeline worker [--pool forgeline-gpu] [--limit 1]
+    forgeline stack up|env|down [--dir .forgeline-stack]
 
 Without PREFECT_API_URL, Prefect runs an ephemeral server for the command's lifetime; with it, runs
 appear on that server's UI. Every failure is one `error:` line on stderr and a non-zero exit (2 for a
@@ -125,7 +127,16 @@ def _preflight(recipe: str, overrides: list[str], store: str, allow_weaker_gates
         _check_quantize(cfg)
     except ValueError as e:
         _fail(f"quantize: {e}", 2)
-    _check_meshes(cfg)
+    if cfg.execution.mode == "workers":
+        from flows.execution import StageRunFailed, check_workers
+        from tasks.registry import STAGES
+
+        try:
+            check_workers(cfg.execution, cfg.resources, list(STAGES))
+        except StageRunFailed as e:
+            _fail(str(e), 2)
+    else:
+        _check_meshes(cfg)  # with workers, each stage's mesh is checked on its worker, against its devices
     return cfg
 
 
@@ -308,6 +319,8 @@ def _run(fn, **kwargs):
 
 def _failure(e: BaseException) -> None:
     """One `error:` line and the exit code for an exception that ended a run."""
+    from flows.execution import StageRunFailed
+    from flows.gang import GangFailed
     from storage import ArtifactError, StorageKeyError, StoreUnavailable
     from tasks.export import GateError
     from tasks.recipe import ConfigError
@@ -316,7 +329,8 @@ def _failure(e: BaseException) -> None:
     if isinstance(e, ConfigError):
         _fail(str(e), 2)
     if isinstance(e, ValueError | NotImplementedError | FileNotFoundError | PermissionError | GateError
-                  | ArtifactError | StoreUnavailable | StorageKeyError | TrainingDiverged):
+                  | ArtifactError | StoreUnavailable | StorageKeyError | TrainingDiverged | StageRunFailed
+                  | GangFailed):
         _fail(_first_line(e))
     if isinstance(e, Exception):  # a bug, or an error deep inside a library: the line says where the traceback is
         _fail(f"{type(e).__name__}: {_first_line(e)} (traceback: {_save_traceback(e)})")
@@ -398,12 +412,104 @@ def verify(url: Annotated[str, typer.Argument(help="a bundle or any committed ar
 
 @app.command()
 def deploy(prefect_file: Annotated[Path, typer.Option(help="deployment declarations")] = ROOT / "infra/prefect.yaml",
-           ) -> None:
-    """Register the release and draft-refresh deployments (with the refresh's cron) on the Prefect server."""
+           recipe: Annotated[str | None, typer.Option("--recipe", "-r", help="register the stage deployments on "
+                                                      "this recipe's pools (resources.<stage>.pool)")] = None,
+           gpu_slots: Annotated[int | None, typer.Option(help="GPUs the GPU pool's workers have in all: the size "
+                                                          "of its GPU concurrency limit")] = None) -> None:
+    """Register the release, draft-refresh and stage/<kind> deployments (with the refresh's cron) on the Prefect
+    server, creating the work pools they name."""
     from flows.deploy import deploy_all
+    from tasks.recipe import ConfigError, load_release
+    from tasks.registry import STAGES
 
-    for name, dep_id in deploy_all(prefect_file):
-        print(f"deployed {name} ({dep_id})")
+    pools, slots = None, None
+    try:
+        cfg = load_release(recipe) if recipe else load_release()
+    except ConfigError as e:
+        _fail(str(e), 2)
+    if recipe:
+        pools = {kind: cfg.execution.pool(cfg.resources.of(kind)) for kind in STAGES}
+    if gpu_slots is not None:
+        slots = {cfg.execution.gpu_pool: gpu_slots}
+    try:
+        for name, dep_id in deploy_all(prefect_file, stage_pools=pools, gpu_slots=slots):
+            print(f"deployed {name} ({dep_id})")
+    except Exception as e:
+        _fail(f"deploy: {type(e).__name__}: {_first_line(e)}")
+
+
+@app.command()
+def worker(pool: Annotated[str, typer.Option(help="the work pool to serve")] = "forgeline-gpu",
+           name: Annotated[str | None, typer.Option(help="the worker's name (default: Prefect's)")] = None,
+           limit: Annotated[int | None, typer.Option(help="flow runs at once (1: a one-GPU machine)")] = None,
+           ) -> None:
+    """Start a process worker for POOL in the foreground (Prefect's own, with forgeline's log routing)."""
+    from flows.stack import beside_python
+
+    prefect = beside_python("prefect")
+    if prefect is None:
+        _fail("the `prefect` command is not installed")
+    if not os.environ.get("PREFECT_API_URL"):
+        _fail("PREFECT_API_URL is not set: a worker serves a Prefect server (`forgeline stack up` starts one)", 2)
+    os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "forgeline")
+    cmd = [prefect, "worker", "start", "--pool", pool, "--type", "process"]
+    cmd += ["--name", name] if name else []
+    cmd += ["--limit", str(limit)] if limit else []
+    os.execv(prefect, cmd)
+
+
+stack_app = typer.Typer(add_completion=False, no_args_is_help=True,
+                        help="A local Prefect server (on PostgreSQL), S3 server and workers, without Docker.")
+app.add_typer(stack_app, name="stack")
+StackDir = Annotated[Path, typer.Option("--dir", help="where the stack keeps its data, logs and state")]
+
+
+@stack_app.command("up")
+def stack_up(dir: StackDir = Path(".forgeline-stack"),
+             gpu_workers: Annotated[int, typer.Option(help="workers on the GPU pool (one GPU slot each)")] = 2,
+             cpu_workers: Annotated[int, typer.Option(help="workers on the CPU pool")] = 1,
+             port: Annotated[int, typer.Option(help="the Prefect server's port (another when taken)")] = 4200,
+             pg_port: Annotated[int, typer.Option(help="PostgreSQL's port (another when taken)")] = 5433,
+             zombie_after: Annotated[int, typer.Option(help="seconds without a heartbeat before a run is "
+                                                            "marked Crashed")] = 600) -> None:
+    """Start PostgreSQL, a Prefect server on it, SeaweedFS S3 and the workers; return once all are healthy."""
+    from flows.stack import StackError, exports, up
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    t0 = time.perf_counter()
+    try:
+        state = up(dir, gpu_workers=gpu_workers, cpu_workers=cpu_workers, prefect_port=port, pg_port=pg_port,
+                   zombie_after_s=zombie_after)
+    except StackError as e:
+        _fail(f"stack: {_first_line(e)}")
+    print(f"# forgeline stack up in {time.perf_counter() - t0:.0f}s: PostgreSQL :{state['postgres']['port']}, "
+          f"Prefect UI {state['prefect']['ui_url']}, S3 {state['s3']['endpoint']} (bucket {state['s3']['bucket']}), "
+          f"{len(state['workers'])} workers")
+    print("\n".join(exports(state)))
+    print(f"# then: forgeline release --set execution=workers --store s3://{state['s3']['bucket']}/releases")
+
+
+@stack_app.command("env")
+def stack_env(dir: StackDir = Path(".forgeline-stack")) -> None:
+    """Print the `export` lines of the running stack (`eval "$(forgeline stack env)"`)."""
+    from flows.stack import StackError, exports, load_state
+
+    try:
+        print("\n".join(exports(load_state(dir))))
+    except StackError as e:
+        _fail(f"stack: {_first_line(e)}")
+
+
+@stack_app.command("down")
+def stack_down(dir: StackDir = Path(".forgeline-stack")) -> None:
+    """Stop everything `stack up` started from DIR (the data stays for the next `up`)."""
+    from flows.stack import StackError, down
+
+    try:
+        stopped = down(dir)
+    except StackError as e:
+        _fail(f"stack: {_first_line(e)}")
+    print("stopped: " + ", ".join(stopped))
 
 
 if __name__ == "__main__":

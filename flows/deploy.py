@@ -59,7 +59,7 @@ def ensure_gpu_limit(pool: str, slots: int) -> None:
 
 
 def deploy_all(prefect_file: Path, source: Path = ROOT, *, stage_pools: dict[str, str] | None = None,
-               gpu_slots: dict[str, int] | None = None) -> list[tuple[str, str]]:
+               gpu_slots: dict[str, int] | None = None, pool_type: str | None = None) -> list[tuple[str, str]]:
     """Register every deployment of `prefect_file`; `stage_pools` ({kind: pool}, from a recipe) moves stage
     deployments to other pools, `gpu_slots` ({pool: slots}) sets those pools' GPU limits."""
     spec = yaml.safe_load(Path(prefect_file).read_text())
@@ -70,7 +70,7 @@ def deploy_all(prefect_file: Path, source: Path = ROOT, *, stage_pools: dict[str
         pool = dep["work_pool"]["name"]
         if dep["entrypoint"] == "flows/stages.py:stage_flow" and stage_pools and dep["name"] in stage_pools:
             pool = stage_pools[dep["name"]]
-        ensure_work_pool(pool, os.environ.get("FORGELINE_WORK_POOL_TYPE", "process"))
+        ensure_work_pool(pool, pool_type or os.environ.get("FORGELINE_WORK_POOL_TYPE", "process"))
         flow = Flow.from_source(source=str(source), entrypoint=dep["entrypoint"])
         schedules = [Cron(s["cron"], timezone=s.get("timezone", "UTC"), active=s.get("active", True))
                      for s in dep.get("schedules", [])]

@@ -121,6 +121,37 @@ def runner_for(resources: StageResources) -> Runner:
 
 # -- workers: one flow run per stage -----------------------------------------------------------------
 
+def check_workers(execution: ExecutionConfig, resources: Any, kinds: list[str]) -> None:
+    """Before a workers-mode run: a Prefect server is configured and answers, and every stage the run needs
+    has its deployment on the pool its resources name. Raises StageRunFailed naming what is missing."""
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+    from prefect.settings import PREFECT_API_URL
+
+    url = PREFECT_API_URL.value()
+    if not url:
+        raise StageRunFailed("execution: workers needs a Prefect server with workers: set PREFECT_API_URL "
+                             "(`forgeline stack up` starts one on this machine)")
+    with get_client(sync_client=True) as client:
+        try:
+            client.api_healthcheck()
+            client.read_work_pools()
+        except Exception as e:
+            raise StageRunFailed(f"execution: workers: the Prefect server at {url} does not answer "
+                                 f"({type(e).__name__})") from None
+        for kind in kinds:
+            pool = execution.pool(resources.of(kind))
+            try:
+                deployment = client.read_deployment_by_name(deployment_name(kind))
+            except ObjectNotFound:
+                raise StageRunFailed(f"execution: workers: no deployment {deployment_name(kind)} on {url} "
+                                     f"(`forgeline deploy` registers them)") from None
+            if deployment.work_pool_name != pool:
+                raise StageRunFailed(f"resources.{kind}.pool: the deployment {deployment_name(kind)} runs on pool "
+                                     f"{deployment.work_pool_name!r}, the recipe asks for {pool!r} (`forgeline "
+                                     f"deploy --recipe ...` registers the stage deployments on the recipe's pools)")
+
+
 def idempotency_key(kind: str, fingerprint: str, store: str, attempt: int) -> str:
     """The same stage for the same store gets the same key: a retried orchestrator re-attaches to the run
     it started. `attempt` > 0 after a crashed run, whose key is spent."""

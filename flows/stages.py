@@ -180,7 +180,7 @@ def stage_flow(name: str, kind: str, config: dict[str, Any], inputs: dict[str, d
 
     if limit is None:
         return compute().to_dict()
-    with concurrency(limit, occupy=slots, strict=False):
+    with concurrency(limit, occupy=slots, strict=False, lease_duration=60):  # a dead holder frees it in 60 s
         return compute().to_dict()
 
 
@@ -221,6 +221,7 @@ class Stages:
 
     def __init__(self, store: str, execution: ExecutionConfig, resources: Any):
         self.store, self.execution, self.resources = store, execution, resources
+        self._submitted: list[Any] = []  # workers: every future, in submission (= topological) order
 
     def run(self, name: str, kind: str, config: Any, inputs: Mapping[str, Any],
             salt: Mapping[str, Any] | None = None) -> Any:
@@ -228,9 +229,19 @@ class Stages:
         if self.execution.mode == "inline":
             return submit(name, kind, config, {k: self.result(v) for k, v in inputs.items()}, self.store, salt,
                           res, self.execution)
-        return stage_task.with_options(task_run_name=name).submit(
+        future = stage_task.with_options(task_run_name=name).submit(
             name, kind, *_arguments(config, inputs, self.store, salt, res, self.execution))
+        self._submitted.append(future)
+        return future
 
-    @staticmethod
-    def result(handle: Any) -> ArtifactRef:
-        return handle if isinstance(handle, ArtifactRef) else ArtifactRef.from_dict(handle.result())
+    def result(self, handle: Any) -> ArtifactRef:
+        """The artifact; for a stage that never ran because a stage upstream failed, that stage's own error."""
+        if isinstance(handle, ArtifactRef):
+            return handle
+        handle.wait()
+        if not handle.state.is_completed():
+            for future in self._submitted:  # upstream first: the first failure is the cause
+                future.wait()
+                if future.state.is_failed() or future.state.is_crashed():
+                    future.result()  # raises the stage's exception
+        return ArtifactRef.from_dict(handle.result())

@@ -21,6 +21,8 @@ from __future__ import annotations
 import ast
 import hashlib
 import sys
+import threading
+import time
 from functools import cache
 from pathlib import Path
 
@@ -44,9 +46,30 @@ def _resolve(name: str, known: dict[str, Path]) -> str | None:
     return name or None
 
 
+# CPython 3.11 keeps the AST constructor's recursion depth in interpreter-wide state, so a parse that runs while
+# another thread parses too can fail with "SystemError: AST constructor recursion depth mismatch" (seen when a
+# workers-mode release fingerprints independent stages at once, and in stage processes whose background threads
+# format tracebacks, which parses source lines in 3.11). The check only guards that counter: a parse that
+# succeeds built the right tree. So our own parses take this lock, and a parse that another thread disturbed
+# is run again.
+_AST = threading.RLock()
+
+
+def _parse(source: str) -> ast.Module:
+    for attempt in range(20):
+        try:
+            with _AST:
+                return ast.parse(source)
+        except SystemError as e:
+            if "recursion depth mismatch" not in str(e) or attempt == 19:
+                raise
+            time.sleep(0.01 * (attempt + 1))
+    raise AssertionError("unreachable")
+
+
 @cache
 def _tree(path: Path) -> ast.Module:
-    return ast.parse(path.read_text())
+    return _parse(path.read_text())
 
 
 @cache
@@ -148,7 +171,7 @@ def closure(module: str, packages: tuple[str, ...] = LIBRARIES) -> list[str]:
 
 def normalized(source: str) -> str:
     """The syntax tree of `source` without docstrings, as text: what the code does, not how it reads."""
-    tree = ast.parse(source)
+    tree = _parse(source)
     for node in ast.walk(tree):
         body = getattr(node, "body", None)
         if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef) and body \

@@ -47,11 +47,14 @@ class Stage:
         return importlib.import_module(f"tasks.{self.module}")
 
     def parse(self, config: BaseModel | Mapping[str, Any]) -> BaseModel:
-        """The typed config: validated once (a dict from a Prefect parameter), or passed through."""
+        """The typed config: validated once (a dict from a Prefect parameter), or passed through. Mappings
+        are read in sorted key order, so a config that travelled through a server that reorders keys (a
+        Prefect parameter stored as PostgreSQL JSONB) is the same object, and writes the same files
+        (export's lineage.json), as the one that never left the process."""
         if isinstance(config, self.config):
             return config
         data = config.model_dump(mode="json") if isinstance(config, BaseModel) else dict(config)
-        return validate(self.config, data, self.name)
+        return validate(self.config, _sorted(data), self.name)
 
     def check_inputs(self, inputs: Mapping[str, Any]) -> None:
         missing = [n for n in self.inputs if n not in inputs]
@@ -59,6 +62,14 @@ class Stage:
         if missing or unknown:
             raise ValueError(f"stage {self.name}: inputs {sorted(inputs)} (missing {missing}, unknown {unknown}; "
                              f"takes {list(self.inputs)} and optionally {list(self.optional)})")
+
+
+def _sorted(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {k: _sorted(value[k]) for k in sorted(value)}
+    if isinstance(value, list | tuple):
+        return [_sorted(v) for v in value]
+    return value
 
 
 STAGES: dict[str, Stage] = {s.name: s for s in (

@@ -1,5 +1,6 @@
-"""`forgeline deploy` registers both flows from infra/prefect.yaml on a Prefect server, the draft
-refresh with its cron schedule, creating the work pool when it is missing."""
+"""`forgeline deploy` registers the flows and the `stage/<kind>` deployments from infra/prefect.yaml on a
+Prefect server, the draft refresh with its cron schedule, creating the work pools when they are missing; a
+recipe moves stage deployments to its pools, and `--gpu-slots` sizes the GPU concurrency limit."""
 
 from __future__ import annotations
 
@@ -13,12 +14,23 @@ def test_deploy_registers_release_and_scheduled_refresh(prefect_harness):
 
     from flows.deploy import ROOT, deploy_all
 
-    deployed = dict(deploy_all(ROOT / "infra" / "prefect.yaml"))
-    assert set(deployed) == {"release/release", "draft-refresh/draft-refresh"}
+    from tasks.registry import STAGES
+
+    deployed = dict(deploy_all(ROOT / "infra" / "prefect.yaml", stage_pools={"quantize": "forgeline-h100"},
+                               gpu_slots={"forgeline-gpu": 4}))
+    assert set(deployed) == {"release/release", "draft-refresh/draft-refresh"} | {f"stage/{k}" for k in STAGES}
     with get_client(sync_client=True) as client:
         refresh = client.read_deployment(deployed["draft-refresh/draft-refresh"])
         release = client.read_deployment(deployed["release/release"])
         assert client.read_work_pool("forgeline-gpu").name == "forgeline-gpu"
+        stages = {k: client.read_deployment(deployed[f"stage/{k}"]) for k in STAGES}
+        assert client.read_global_concurrency_limit_by_name("gpu-forgeline-gpu").limit == 4
+    assert {k: d.work_pool_name for k, d in stages.items()} == {
+        "data_prep": "forgeline-cpu", "base": "forgeline-gpu", "finetune": "forgeline-gpu",
+        "quantize": "forgeline-h100", "traces": "forgeline-gpu", "draft": "forgeline-gpu",
+        "evaluate": "forgeline-gpu", "export": "forgeline-cpu"}
+    assert all(d.entrypoint == "flows/stages.py:stage_flow" for d in stages.values())
+    assert release.work_pool_name == "forgeline-cpu" and release.parameters["overrides"] == ["execution=workers"]
     assert refresh.entrypoint == "flows/draft_refresh.py:draft_refresh"
     assert [s.schedule.cron for s in refresh.schedules] == ["0 3 * * 1"]
     assert refresh.schedules[0].active

@@ -84,3 +84,29 @@ def test_a_model_change_recomputes_only_the_stages_that_run_it(tree, rel, recomp
     base = _versions(tree)
     after = _versions(_edited(tree, rel, lambda s: s + "\nVERSION_NOTE = 2\n"))
     assert {k for k in base if after[k] != base[k]} == recomputed
+
+
+def test_a_parse_disturbed_by_another_thread_is_run_again(monkeypatch):
+    """CPython 3.11's AST constructor fails spuriously when two threads parse at once (its recursion counter
+    is interpreter-wide): tasks/code.py parses again; any other SystemError is raised."""
+    import ast
+
+    from tasks import code
+
+    real, calls = ast.parse, []
+
+    def flaky(source, *a, **k):
+        calls.append(1)
+        if len(calls) < 3:
+            raise SystemError("AST constructor recursion depth mismatch (before=63, after=64)")
+        return real(source, *a, **k)
+
+    monkeypatch.setattr(code.ast, "parse", flaky)
+    assert code.normalized("x = 1\n") == code.normalized('"""doc"""\nx = 1\n') and len(calls) == 4
+
+    def broken(source, *a, **k):
+        raise SystemError("something else")
+
+    monkeypatch.setattr(code.ast, "parse", broken)
+    with pytest.raises(SystemError, match="something else"):
+        code.normalized("x = 1\n")

@@ -150,6 +150,28 @@ def test_prefect_yaml_entrypoints_are_prefect_flows(deployment, module, attr):
     assert params["store"].startswith(f"s3://{BUCKET}/")
 
 
+def test_every_stage_has_a_deployment_on_its_default_pool():
+    """One `stage/<kind>` deployment per registered stage, on the pool its default resources pick, running
+    flows/stages.py:stage_flow with no fixed parameters (each run brings its own)."""
+    from prefect import Flow
+
+    from flows.stages import stage_flow
+    from tasks.configs import ExecutionConfig, ResourcesConfig
+    from tasks.registry import STAGES
+
+    stages = {d["name"]: d for d in _prefect_yaml()["deployments"] if d["entrypoint"] == "flows/stages.py:stage_flow"}
+    assert set(stages) == set(STAGES)
+    assert isinstance(stage_flow, Flow) and stage_flow.name == "stage"
+    execution, resources = ExecutionConfig(), ResourcesConfig()
+    for kind, dep in stages.items():
+        assert dep["work_pool"]["name"] == execution.pool(resources.of(kind)), kind
+        assert not dep.get("parameters") and not dep.get("schedules"), kind
+    # the orchestrating flows run on the CPU pool, in workers mode
+    for name in ("release", "draft-refresh"):
+        dep = _deployment(name)
+        assert dep["work_pool"]["name"] == LOCAL_POOL and dep["parameters"]["overrides"] == ["execution=workers"]
+
+
 def test_every_deployment_has_the_shape_prefect_deploy_needs():
     spec = _prefect_yaml()
     assert spec["pull"], "pull is the one required section"

@@ -1,0 +1,235 @@
+"""Workers mode on the local stack: `forgeline stack up` (PostgreSQL, a Prefect server on it, SeaweedFS, process
+workers), then the smoke release with `execution: workers`, one of whose GPU workers is SIGKILLed in the middle
+of the fine-tune. Checked through the Prefect API and the store: every stage ran as its own flow run of its
+`stage/<kind>` deployment on a worker (never in the orchestrator's process); the killed fine-tune was marked
+Crashed by the zombie automation, started again on another worker and resumed from its checkpoint; quantize and
+traces ran at the same time; and the bundle is the inline run's, byte for byte."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+
+import storage
+from flows.stack import free_port
+from storage import Store
+from tests.conftest import ROOT, SMOKE
+from tests.s3_server import exported
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+OVERRIDES = ["--set", "serve=finetuned"]  # the draft learns the fine-tuned model: traces need not wait for quantize
+STAGE_NAMES = {"data_prep[base]", "base", "data_prep", "finetune", "quantize", "traces", "draft", "evaluate", "export"}
+
+
+def _clean_env() -> dict[str, str]:
+    """This process's environment without a Prefect server or S3 endpoint another fixture exported."""
+    drop = ("PREFECT_API_URL", "AWS_")
+    return {k: v for k, v in os.environ.items() if not k.startswith(drop)}
+
+
+def _cli(*args: str, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    """(stack dir, the environment the exports describe, state): `forgeline stack up` with three one-GPU
+    workers (one is killed, two remain for quantize and traces) and a 60 s zombie window."""
+    root = tmp_path_factory.mktemp("stack")
+    t0 = time.monotonic()
+    up = _cli("stack", "up", "--dir", str(root), "--gpu-workers", "3", "--cpu-workers", "1",
+              "--port", str(free_port()), "--pg-port", str(free_port()), "--zombie-after", "60",
+              env=_clean_env(), timeout=400)
+    assert up.returncode == 0, up.stderr[-3000:]
+    seconds = time.monotonic() - t0
+    exports = dict(line.removeprefix("export ").split("=", 1) for line in up.stdout.splitlines()
+                   if line.startswith("export "))
+    assert set(exports) >= {"PREFECT_API_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL"}
+    state = json.loads((root / "stack.json").read_text())
+    try:
+        yield root, {**_clean_env(), **exports}, state, seconds, up.stdout
+    finally:
+        down = _cli("stack", "down", "--dir", str(root), env=_clean_env(), timeout=180)
+        assert down.returncode == 0, down.stderr[-2000:]
+        pids = [w["pid"] for w in state["workers"]] + [state["prefect"]["pid"], state["s3"]["pid"]]
+        left = [p for p in pids if Path(f"/proc/{p}").exists()
+                and Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"]
+        assert not left, f"still running after `stack down`: {left}"
+        assert "PostgreSQL" in down.stdout
+
+
+def _client(env):
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    class _Ctx:
+        def __enter__(self):
+            self.settings = temporary_settings({PREFECT_API_URL: env["PREFECT_API_URL"]})
+            self.settings.__enter__()
+            self.client = get_client(sync_client=True)
+            return self.client.__enter__()
+
+        def __exit__(self, *exc):
+            self.client.__exit__(*exc)
+            self.settings.__exit__(*exc)
+
+    return _Ctx()
+
+
+def _stage_runs(env) -> list:
+    """Every flow run of the `stage` flow on the server."""
+    from prefect.client.schemas.filters import FlowFilter, FlowFilterName
+
+    with _client(env) as client:
+        return client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["stage"])), limit=200)
+
+
+def _checkpointed(env, store: str) -> bool:
+    with exported({k: v for k, v in env.items() if k.startswith("AWS_")}):
+        try:
+            files = storage.list_files(storage.join(store, "checkpoints/finetune"))
+        except FileNotFoundError:
+            return False
+    return any(u.endswith("latest.json") for u in files)
+
+
+def _kill_the_finetune_worker(env, state) -> tuple[str, int]:
+    """SIGKILL the worker running the fine-tune, and the run's own process with it (the node died)."""
+    running = [r for r in _stage_runs(env) if r.name == "finetune" and r.state.is_running()]
+    assert running, [(r.name, r.state.name) for r in _stage_runs(env)]
+    run = running[0]
+    name = run.labels["prefect.worker.name"]
+    (worker,) = [w for w in state["workers"] if w["name"] == name]
+    os.killpg(worker["pid"], signal.SIGKILL)
+    try:
+        os.kill(int(str(run.infrastructure_pid).rsplit(":", 1)[-1]), signal.SIGKILL)
+    except ProcessLookupError:
+        pass  # it was in the worker's process group
+    return name, worker["pid"]
+
+
+def _read(env, url: str) -> bytes:
+    with exported({k: v for k, v in env.items() if k.startswith("AWS_")}):
+        return storage.read_bytes(url)
+
+
+def _parent_flow_runs(env, runs) -> list:
+    """The flow run each child run's parent task run belongs to (the release's, for every stage)."""
+    with _client(env) as client:
+        return [client.read_task_run(r.parent_task_run_id).flow_run_id for r in runs]
+
+
+def _bundle(env, url: str):
+    with exported({k: v for k, v in env.items() if k.startswith("AWS_")}):
+        return Store(url.rsplit("/export/", 1)[0]).load(url)
+
+
+def test_release_on_workers_survives_a_killed_worker_and_equals_inline(stack, measured):
+    root, env, state, up_seconds, up_out = stack
+    run_id = uuid.uuid4().hex[:8]
+
+    # the reference: the same recipe, inline (every stage in one process, an ephemeral Prefect server)
+    inline_env = {k: v for k, v in env.items() if k != "PREFECT_API_URL"}
+    t0 = time.monotonic()
+    inline = _cli("release", "--recipe", SMOKE, *OVERRIDES, "--store", f"s3://forgeline/inline-{run_id}",
+                  env=inline_env, timeout=900)
+    inline_seconds = time.monotonic() - t0
+    assert inline.returncode == 0, inline.stderr[-3000:]
+    inline_bundle = _bundle(env, inline.stdout.strip().splitlines()[-1])
+
+    store = f"s3://forgeline/workers-{run_id}"
+    t0 = time.monotonic()
+    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "release", "--recipe", SMOKE, *OVERRIDES,
+                             "--set", "execution=workers", "--store", store], cwd=ROOT, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    killed, kill_at = None, None
+    try:
+        deadline = time.monotonic() + 1500
+        while proc.poll() is None:
+            assert time.monotonic() < deadline, "the workers-mode release did not finish"
+            if killed is None and _checkpointed(env, store):
+                killed = _kill_the_finetune_worker(env, state)
+                kill_at = datetime.now().astimezone()
+            time.sleep(1.0)
+        out, err = proc.communicate()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    seconds = time.monotonic() - t0
+    assert proc.returncode == 0, err[-3000:]
+    assert killed is not None, "the fine-tune committed before a checkpoint was seen"
+    bundle = _bundle(env, out.strip().splitlines()[-1])
+    assert bundle.digest == inline_bundle.digest  # weights, adapter, draft, quantized files, report: all equal
+
+    runs = [r for r in _stage_runs(env) if r.start_time]  # this server ran nothing else
+    with _client(env) as client:
+        deployments = {d.id: d.name for d in client.read_deployments()}
+    done = {r.name: r for r in runs if r.state.is_completed()}
+    assert set(done) == STAGE_NAMES, sorted(done)
+    for name, r in done.items():
+        assert deployments[r.deployment_id] == name.split("[")[0], (name, deployments[r.deployment_id])
+        assert r.parent_task_run_id is not None  # a child run of the release
+        assert r.labels.get("prefect.worker.type") == "process" and r.labels.get("prefect.worker.name")
+        assert int(str(r.infrastructure_pid).rsplit(":", 1)[-1]) != proc.pid
+    pools = {name: r.work_pool_name for name, r in done.items()}
+    assert pools["data_prep"] == pools["export"] == "forgeline-cpu" and pools["finetune"] == "forgeline-gpu"
+
+    # the killed fine-tune: Crashed by the zombie automation, then run again elsewhere, resuming
+    finetunes = sorted((r for r in runs if r.name == "finetune"), key=lambda r: r.start_time)
+    assert [r.state.name for r in finetunes] == ["Crashed", "Completed"], [r.state.name for r in finetunes]
+    assert finetunes[1].labels["prefect.worker.name"] != killed[0]
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+
+    with _client(env) as client:
+        logs = [entry.message for entry in client.read_logs(
+            LogFilter(flow_run_id=LogFilterFlowRunId(any_=[finetunes[1].id])), limit=200)]
+    assert any("resumed from checkpoint at step" in m for m in logs), logs[-20:]
+    crashed_after = (finetunes[0].end_time - kill_at).total_seconds()
+
+    # what the UI shows: the release run holds the eval report and the metrics; each training stage's run its
+    # own progress bar, at 100 %
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId, FlowFilter, FlowFilterName
+
+    with _client(env) as client:
+        (release_run,) = client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["release"])))
+        artifacts = {r.name: client.read_artifacts(artifact_filter=ArtifactFilter(
+            flow_run_id=ArtifactFilterFlowRunId(any_=[r.id]))) for r in [release_run, *done.values()]}
+    assert release_run.state.is_completed()
+    assert set(_parent_flow_runs(env, done.values())) == {release_run.id}  # every stage a child of the release
+    by_key = {a.key: a for a in artifacts["release"] if a.key}
+    report = json.loads(_read(env, bundle.file("eval/report.json")))
+    assert "| finetuned |" in by_key["forgeline-tiny-eval"].data  # the report's markdown
+    table = by_key["forgeline-tiny-metrics"].data
+    values = {row["metric"]: row["value"] for row in (json.loads(table) if isinstance(table, str) else table)}
+    assert values["perplexity/finetuned"] == round(report["perplexity"]["finetuned"], 4)
+    for name in ("base", "finetune", "draft"):
+        progress = [a for a in artifacts[name] if a.type == "progress"]
+        assert progress and progress[-1].data == 100.0, (name, [(a.type, a.data) for a in artifacts[name]])
+
+    q, t = done["quantize"], done["traces"]
+    overlap = (min(q.end_time, t.end_time) - max(q.start_time, t.start_time)).total_seconds()
+    assert overlap > 0, (q.start_time, q.end_time, t.start_time, t.end_time)
+
+    start = min(r.start_time for r in runs)
+    measured(f"workers: `forgeline stack up` (PostgreSQL, Prefect server, SeaweedFS, 3 GPU + 1 CPU process "
+             f"workers) in {up_seconds:.0f}s; inline release {inline_seconds:.0f}s, workers release {seconds:.0f}s, "
+             f"bundle digest equal ({bundle.digest[:16]})")
+    measured(f"  worker {killed[0]} SIGKILLed during finetune: run marked Crashed {crashed_after:.0f}s later, "
+             f"rerun on {finetunes[1].labels['prefect.worker.name']} resumed from its checkpoint")
+    for r in sorted(runs, key=lambda r: r.start_time):
+        a = (r.start_time - start).total_seconds()
+        b = (r.end_time - start).total_seconds() if r.end_time else float("nan")
+        measured(f"  {r.name:<16} {r.state.name:<9} {r.labels.get('prefect.worker.name', '?'):<6} "
+                 f"{a:6.0f}s -> {b:6.0f}s")
+    measured(f"  quantize and traces overlapped for {overlap:.0f}s")
