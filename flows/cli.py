@@ -501,12 +501,14 @@ def stack_env(dir: StackDir = Path(".forgeline-stack")) -> None:
 
 
 @stack_app.command("down")
-def stack_down(dir: StackDir = Path(".forgeline-stack")) -> None:
-    """Stop everything `stack up` started from DIR (the data stays for the next `up`)."""
+def stack_down(dir: StackDir = Path(".forgeline-stack"),
+               purge: Annotated[bool, typer.Option(help="also delete the databases and stored objects")] = False,
+               ) -> None:
+    """Stop everything `stack up` started from DIR (the data stays for the next `up`, unless --purge)."""
     from flows.stack import StackError, down
 
     try:
-        stopped = down(dir)
+        stopped = down(dir, purge=purge)
     except StackError as e:
         _fail(f"stack: {_first_line(e)}")
     print("stopped: " + ", ".join(stopped))

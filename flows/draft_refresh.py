@@ -17,6 +17,7 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact
 
 import storage
+from flows.execution import cancel_stage_runs
 from flows.release import DEFAULT_STORE
 from flows.stages import Stages
 from storage import ArtifactRef, Store
@@ -35,7 +36,8 @@ def _release_refs(artifacts: Store, name: str) -> dict[str, ArtifactRef]:
     return {k: artifacts.load(artifacts.url(v["key"])) for k, v in lineage["stages"].items()}
 
 
-@flow(name="draft-refresh", log_prints=True)
+@flow(name="draft-refresh", log_prints=True, on_failure=[cancel_stage_runs], on_crashed=[cancel_stage_runs],
+      on_cancellation=[cancel_stage_runs])
 def draft_refresh(recipe: str = "tiny", overrides: list[str] | None = None, store: str = DEFAULT_STORE,
                   allow_weaker_gates: bool = False) -> dict:
     """Returns {"promoted": bool, "current": acceptance, "candidate": acceptance, "draft": url}."""

@@ -159,6 +159,59 @@ def idempotency_key(kind: str, fingerprint: str, store: str, attempt: int) -> st
     return f"forgeline-{kind}-{fingerprint}-{where}-{attempt}"
 
 
+def _wait(run: Any, timeout: float, poll: float = 2.0, patience: float = 300.0) -> Any:
+    """Poll the flow run until it is final or `timeout` passes; the API failing for less than `patience`
+    seconds in a row (a server restart, a database failover) is waited out. Interrupted (Ctrl-C, SIGTERM, the
+    orchestrator cancelled), it cancels the stage's run before unwinding: Prefect does not cascade
+    cancellation to runs started with run_deployment (PrefectHQ/prefect#12713), and the worker stops a
+    cancelled run's process. (When the orchestrator fails instead, its flow hook `cancel_stage_runs` does.)"""
+    import time
+
+    from prefect.client.orchestration import get_client
+    from prefect.states import Cancelling
+
+    deadline, failing_since = time.monotonic() + timeout, None
+    try:
+        with get_client(sync_client=True) as client:
+            while True:
+                try:
+                    run, failing_since = client.read_flow_run(run.id), None
+                except Exception as e:
+                    failing_since = failing_since or time.monotonic()
+                    if time.monotonic() - failing_since > patience:
+                        raise
+                    log.warning("%s: cannot read its flow run (%s); retrying", run.name, type(e).__name__)
+                if run.state is not None and run.state.is_final() or time.monotonic() > deadline:
+                    return run
+                time.sleep(poll)
+    except BaseException as e:
+        if isinstance(e, Exception):
+            raise
+        try:
+            with get_client(sync_client=True) as client:
+                client.set_flow_run_state(run.id, Cancelling(message="the release that started it was stopped"))
+            log.warning("%s: cancelled its flow run %s", run.name, run.id)
+        except Exception as e2:  # the server is gone too: the zombie automation will mark it
+            log.warning("%s: could not cancel flow run %s (%s)", run.name, run.id, type(e2).__name__)
+        raise
+
+
+def cancel_stage_runs(flow: Any, flow_run: Any, state: Any) -> None:
+    """A flow hook (release, draft refresh): when the orchestrating run fails, crashes or is cancelled, cancel
+    the stage runs it started that are still going, so that no GPU keeps working for a release that is gone."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterParentFlowRunId
+    from prefect.states import Cancelling
+
+    with get_client(sync_client=True) as client:
+        children = client.read_flow_runs(flow_run_filter=FlowRunFilter(
+            parent_flow_run_id=FlowRunFilterParentFlowRunId(any_=[flow_run.id])), limit=200)
+        for child in children:
+            if child.state is not None and not child.state.is_final() and not child.state.is_cancelling():
+                client.set_flow_run_state(child.id, Cancelling(message=f"{flow_run.name} ended {state.name}"))
+                log.warning("cancelled stage run %s (%s ended %s)", child.name, flow_run.name, state.name)
+
+
 def run_on_worker(name: str, kind: str, config: dict[str, Any], inputs: dict[str, dict], store: str,
                   salt: dict[str, Any] | None, fingerprint: str, resources: StageResources,
                   execution: ExecutionConfig) -> ArtifactRef:
@@ -180,8 +233,8 @@ def run_on_worker(name: str, kind: str, config: dict[str, Any], inputs: dict[str
     for attempt in range(execution.crash_retries + 1):
         run = run_deployment(deployment_name(kind), parameters=params, flow_run_name=name,
                              job_variables=job_variables(resources, pool_type), tags=["forgeline", f"stage:{kind}"],
-                             idempotency_key=idempotency_key(kind, fingerprint, store, attempt),
-                             timeout=execution.stage_timeout_s, poll_interval=2)
+                             idempotency_key=idempotency_key(kind, fingerprint, store, attempt), timeout=0)
+        run = _wait(run, execution.stage_timeout_s)
         state = run.state
         if state is not None and state.is_completed():
             ref = artifacts.lookup(kind, fingerprint)

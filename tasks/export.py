@@ -108,7 +108,7 @@ def run(config: ExportConfig, inputs: Mapping[str, Path], output: Path, *, progr
         "gates_passed_as_declared": report.get("passed_as_declared", not failed),
         "waivers": report.get("waivers", []),
     }
-    (out / "lineage.json").write_text(json.dumps(lineage, indent=1))
+    (out / "lineage.json").write_text(json.dumps(lineage, indent=1, sort_keys=True))
     (out / "README.md").write_text(model_card(cfg, (inp["evaluate"] / "report.md").read_text(), lineage,
                                               has_adapter, schemes))
     return {"name": cfg.name, "gates_passed": not failed, "waivers": len(lineage["waivers"]),

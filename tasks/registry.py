@@ -121,6 +121,7 @@ def run_stage(store: Store, kind: str, config: BaseModel | Mapping[str, Any], in
     spec = stage(kind)
     spec.check_inputs(inputs)
     cfg = spec.parse(config)
+    inputs = {name: inputs[name] for name in sorted(inputs)}  # the same order however they travelled (see parse)
 
     def work(ctx: StageContext) -> dict[str, Any]:
         return runner(spec, cfg, ctx, progress)

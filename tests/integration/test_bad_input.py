@@ -196,6 +196,24 @@ def case_mesh_needs_more_devices(d, ctx):
     return sets("finetune.train.mesh.tensor=3")
 
 
+@case("`--set resources.finetune.hosts=0`", "resources.finetune.hosts: Input should be greater than or equal to 1",
+      code=2)
+def case_resources_out_of_range(d, ctx):
+    return sets("resources.finetune.hosts=0")
+
+
+@case("`--set execution=workers` with no Prefect server set", "execution: workers needs a Prefect server with "
+      "workers: set PREFECT_API_URL", code=2, env=lambda ctx: {"PREFECT_API_URL": ""})
+def case_workers_without_a_server(d, ctx):
+    return sets("execution=workers")
+
+
+@case("`--set execution=workers`, `PREFECT_API_URL` on a closed port", "execution: workers: the Prefect server at "
+      "http://127.0.0.1:", code=2, env=lambda ctx: {"PREFECT_API_URL": f"http://127.0.0.1:{ctx['closed_port']}/api"})
+def case_workers_server_unreachable(d, ctx):
+    return sets("execution=workers")
+
+
 # -- stores -----------------------------------------------------------------------------------------------------
 
 @case("`--store gs://bucket/x` (unsupported scheme)", "--store: unsupported URL scheme 'gs'", code=2)

@@ -13,7 +13,6 @@ def test_deploy_registers_release_and_scheduled_refresh(prefect_harness):
     from prefect.client.orchestration import get_client
 
     from flows.deploy import ROOT, deploy_all
-
     from tasks.registry import STAGES
 
     deployed = dict(deploy_all(ROOT / "infra" / "prefect.yaml", stage_pools={"quantize": "forgeline-h100"},
@@ -36,3 +35,32 @@ def test_deploy_registers_release_and_scheduled_refresh(prefect_harness):
     assert refresh.schedules[0].active
     assert release.schedules == [] and release.parameters["recipe"] == "tiny"
     assert "image" not in (release.job_variables or {})  # an unset $FORGELINE_IMAGE is dropped, not ""
+
+
+def test_a_failed_release_cancels_the_stage_runs_it_started(prefect_harness):
+    """Prefect does not cascade cancellation to runs started with run_deployment: the release flows' hook does.
+    A run nobody picked up (no worker here) is cancelled when the orchestrating run fails."""
+    from prefect import flow
+    from prefect.client.orchestration import get_client
+    from prefect.deployments import run_deployment
+
+    from flows.deploy import ROOT, deploy_all
+    from flows.execution import cancel_stage_runs
+
+    deploy_all(ROOT / "infra" / "prefect.yaml")
+    started = []
+
+    @flow(name="orchestrator-that-fails", on_failure=[cancel_stage_runs])
+    def orchestrator():
+        started.append(run_deployment("stage/data_prep", parameters={
+            "name": "data_prep", "kind": "data_prep", "config": {}, "inputs": {}, "store": "file:///nowhere"},
+            timeout=0))
+        raise ValueError("a stage upstream failed")
+
+    state = orchestrator(return_state=True)
+    assert state.is_failed()
+    (child,) = started
+    with get_client(sync_client=True) as client:
+        child = client.read_flow_run(child.id)
+    assert child.parent_task_run_id is not None
+    assert child.state.type.value in ("CANCELLING", "CANCELLED"), child.state

@@ -60,13 +60,14 @@ def stack(tmp_path_factory):
     try:
         yield root, {**_clean_env(), **exports}, state, seconds, up.stdout
     finally:
-        down = _cli("stack", "down", "--dir", str(root), env=_clean_env(), timeout=180)
+        down = _cli("stack", "down", "--dir", str(root), "--purge", env=_clean_env(), timeout=180)
         assert down.returncode == 0, down.stderr[-2000:]
         pids = [w["pid"] for w in state["workers"]] + [state["prefect"]["pid"], state["s3"]["pid"]]
         left = [p for p in pids if Path(f"/proc/{p}").exists()
                 and Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"]
         assert not left, f"still running after `stack down`: {left}"
-        assert "PostgreSQL" in down.stdout
+        assert "PostgreSQL" in down.stdout and "data deleted" in down.stdout
+        assert not Path(state["postgres"]["pgdata"]).exists()
 
 
 def _client(env):
@@ -130,6 +131,37 @@ def _parent_flow_runs(env, runs) -> list:
         return [client.read_task_run(r.parent_task_run_id).flow_run_id for r in runs]
 
 
+def _differences(env, a: str, b: str) -> list[str]:
+    """Which committed files differ between two stores (the diagnosis when two bundles do)."""
+    with exported({k: v for k, v in env.items() if k.startswith("AWS_")}):
+        def manifests(root: str) -> dict:
+            out = {}
+            for kind in ("data_prep", "base", "finetune", "quantize", "traces", "draft", "evaluate", "export"):
+                try:
+                    fps = {u.rsplit("/", 2)[-2] for u in storage.list_files(storage.join(root, kind))}
+                except FileNotFoundError:
+                    continue
+                for fp in fps:
+                    try:
+                        m = json.loads(storage.read_bytes(storage.join(root, kind, fp, "manifest.json")))
+                    except FileNotFoundError:
+                        continue
+                    out[(kind, fp)] = {f: v["sha256"] for f, v in m["files"].items()}
+            return out
+
+        ma, mb = manifests(a), manifests(b)
+    out = [f"only in one store: {k}" for k in sorted(set(ma) ^ set(mb))]
+    for k in sorted(set(ma) & set(mb)):
+        out += [f"{k[0]}/{k[1]}/{f}" for f in sorted(set(ma[k]) | set(mb[k])) if ma[k].get(f) != mb[k].get(f)]
+    if any(d.endswith("lineage.json") for d in out):
+        for k in ma:
+            if k[0] == "export":
+                la = json.loads(_read(env, storage.join(a, "export", k[1], "lineage.json")))
+                lb = json.loads(_read(env, storage.join(b, "export", k[1], "lineage.json")))
+                out.append(f"lineage equal as JSON: {la == lb}; keys {list(la)} vs {list(lb)}")
+    return out
+
+
 def _bundle(env, url: str):
     with exported({k: v for k, v in env.items() if k.startswith("AWS_")}):
         return Store(url.rsplit("/export/", 1)[0]).load(url)
@@ -170,7 +202,8 @@ def test_release_on_workers_survives_a_killed_worker_and_equals_inline(stack, me
     assert proc.returncode == 0, err[-3000:]
     assert killed is not None, "the fine-tune committed before a checkpoint was seen"
     bundle = _bundle(env, out.strip().splitlines()[-1])
-    assert bundle.digest == inline_bundle.digest  # weights, adapter, draft, quantized files, report: all equal
+    # weights, adapter, draft, quantized files, report: all equal
+    assert bundle.digest == inline_bundle.digest, _differences(env, f"s3://forgeline/inline-{run_id}", store)
 
     runs = [r for r in _stage_runs(env) if r.start_time]  # this server ran nothing else
     with _client(env) as client:
@@ -203,8 +236,8 @@ def test_release_on_workers_survives_a_killed_worker_and_equals_inline(stack, me
 
     with _client(env) as client:
         (release_run,) = client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["release"])))
-        artifacts = {r.name: client.read_artifacts(artifact_filter=ArtifactFilter(
-            flow_run_id=ArtifactFilterFlowRunId(any_=[r.id]))) for r in [release_run, *done.values()]}
+        artifacts = {name: client.read_artifacts(artifact_filter=ArtifactFilter(
+            flow_run_id=ArtifactFilterFlowRunId(any_=[r.id]))) for name, r in [("release", release_run), *done.items()]}
     assert release_run.state.is_completed()
     assert set(_parent_flow_runs(env, done.values())) == {release_run.id}  # every stage a child of the release
     by_key = {a.key: a for a in artifacts["release"] if a.key}
