@@ -191,16 +191,16 @@ class SeaweedFS:
         return self.env
 
     def _bucket_lists(self) -> bool:
-        """The S3 API answers and the bucket (created asynchronously after start-up) lists."""
-        import s3fs
+        """The S3 API answers and the bucket (created asynchronously after start-up) takes a write."""
+        import storage
 
+        saved = {k: os.environ.get(k) for k in self.env}
+        os.environ.update(self.env)
         try:
-            urllib.request.urlopen(self.endpoint, timeout=1)
-        except urllib.error.HTTPError:
-            pass  # 403 for an anonymous request: the S3 API is up
-        s3 = s3fs.S3FileSystem(key=self.keys[0], secret=self.keys[1], endpoint_url=self.endpoint,
-                               skip_instance_cache=True)
-        s3.ls(BUCKET)
+            storage.check_store(f"s3://{BUCKET}/")
+        finally:
+            for k, v in saved.items():
+                os.environ.pop(k, None) if v is None else os.environ.__setitem__(k, v)
         return True
 
     def kill(self) -> None:
