@@ -45,11 +45,12 @@ def _cli(*args: str, env: dict[str, str], timeout: float) -> subprocess.Complete
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     """(stack dir, the environment the exports describe, state): `forgeline stack up` with three one-GPU
-    workers (one is killed, two remain for quantize and traces) and a 60 s zombie window."""
+    workers (one is killed, two remain for quantize and traces) and a 90 s zombie window: three heartbeat
+    periods, so that a loaded CI machine delaying a heartbeat does not crash a healthy run."""
     root = tmp_path_factory.mktemp("stack")
     t0 = time.monotonic()
     up = _cli("stack", "up", "--dir", str(root), "--gpu-workers", "3", "--cpu-workers", "1",
-              "--port", str(free_port()), "--pg-port", str(free_port()), "--zombie-after", "60",
+              "--port", str(free_port()), "--pg-port", str(free_port()), "--zombie-after", "90",
               env=_clean_env(), timeout=400)
     assert up.returncode == 0, up.stderr[-3000:]
     seconds = time.monotonic() - t0
