@@ -19,7 +19,7 @@ from prefect.artifacts import create_markdown_artifact
 import storage
 from flows.execution import cancel_stage_runs
 from flows.release import DEFAULT_STORE
-from flows.stages import Stages, route_logs
+from flows.stages import Stages
 from storage import ArtifactRef, Store
 from tasks.configs import EvalConfig, Gates
 from tasks.evaluate import load_report
@@ -41,7 +41,6 @@ def _release_refs(artifacts: Store, name: str) -> dict[str, ArtifactRef]:
 def draft_refresh(recipe: str = "tiny", overrides: list[str] | None = None, store: str = DEFAULT_STORE,
                   allow_weaker_gates: bool = False) -> dict:
     """Returns {"promoted": bool, "current": acceptance, "candidate": acceptance, "draft": url}."""
-    route_logs()
     log = get_run_logger()
     cfg = load_release(recipe, overrides or [], allow_weaker_gates=allow_weaker_gates)
     store = storage.normalize_url(store)

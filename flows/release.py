@@ -24,7 +24,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 import storage
 from flows.execution import cancel_stage_runs
-from flows.stages import Stages, route_logs
+from flows.stages import Stages
 from storage import ArtifactRef, Store
 from tasks.configs import ExportConfig
 from tasks.evaluate import load_report
@@ -65,7 +65,6 @@ def publish_report(cfg: ReleaseConfig, evaluation: ArtifactRef) -> dict[str, Any
 def release(recipe: str = "tiny", overrides: list[str] | None = None, store: str = DEFAULT_STORE,
             allow_weaker_gates: bool = False) -> str:
     """Run the whole release; returns the bundle URL."""
-    route_logs()
     log = get_run_logger()
     cfg = load_release(recipe, overrides or [], allow_weaker_gates=allow_weaker_gates)
     store = storage.normalize_url(store)

@@ -14,11 +14,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -145,16 +146,25 @@ def stage_task(name: str, kind: str, config: dict[str, Any], inputs: dict[str, d
     return ref.to_dict()
 
 
-def route_logs() -> None:
-    """Send the `forgeline` loggers' lines to this run's logs. Prefect does so for the loggers named in
-    PREFECT_LOGGING_EXTRA_LOGGERS when it reads its settings, at its import; in a process that imported
-    Prefect before flows/ (a worker running a deployment's entrypoint), copy its handlers here."""
+@contextlib.contextmanager
+def routed_logs() -> Iterator[None]:
+    """Send the `forgeline` loggers' lines to the current run's logs for the block. Prefect does so for the
+    loggers named in PREFECT_LOGGING_EXTRA_LOGGERS when it reads its settings, at its import; in a process
+    that imported Prefect before flows/ (a worker running a deployment's entrypoint), copy its handlers for
+    the run, and take them off again after it (outside a run they would only warn that there is none)."""
     ours = logging.getLogger("forgeline")
-    for handler in logging.getLogger("prefect.extra").handlers:
-        if handler not in ours.handlers:
-            ours.addHandler(handler)
-    if ours.level == logging.NOTSET:
+    added = [h for h in logging.getLogger("prefect.extra").handlers if h not in ours.handlers]
+    level = ours.level
+    for handler in added:
+        ours.addHandler(handler)
+    if level == logging.NOTSET:
         ours.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        for handler in added:
+            ours.removeHandler(handler)
+        ours.setLevel(level)
 
 
 @flow(name=ex.STAGE_FLOW, flow_run_name="{name}", log_prints=True)
@@ -166,7 +176,6 @@ def stage_flow(name: str, kind: str, config: dict[str, Any], inputs: dict[str, d
     `accelerators * hosts` slots of the pool's GPU limit while it computes."""
     from prefect.concurrency.sync import concurrency
 
-    route_logs()
     spec = registry.stage(kind)
     res = StageResources.model_validate(resources or {})
     refs = {k: ArtifactRef.from_dict(v) for k, v in inputs.items()}
@@ -178,10 +187,11 @@ def stage_flow(name: str, kind: str, config: dict[str, Any], inputs: dict[str, d
                                   progress=_progress_reporter(name) if spec.trains else None,
                                   runner=ex.runner_for(res))
 
-    if limit is None:
-        return compute().to_dict()
-    with concurrency(limit, occupy=slots, strict=False, lease_duration=60):  # a dead holder frees it in 60 s
-        return compute().to_dict()
+    with routed_logs():
+        if limit is None:
+            return compute().to_dict()
+        with concurrency(limit, occupy=slots, strict=False, lease_duration=60):  # a dead holder frees it in 60 s
+            return compute().to_dict()
 
 
 def _announce(event: StageEvent) -> None:
