@@ -328,20 +328,11 @@ def create_zombie_automation(within_s: int) -> None:
         item = {**item, "trigger": {**item["trigger"], "within": within_s}}
         item["actions"] = [{**a, "message": a.get("message", "").replace("600 s", f"{within_s} s")}
                            for a in item["actions"]]
-        existing = Automation.read(name=item["name"]) if _automation_exists(item["name"]) else None
-        if existing is not None:
-            existing.delete()
+        try:
+            Automation.read(name=item["name"]).delete()  # a stack started again: replace, never duplicate
+        except ValueError:
+            pass  # none yet
         Automation.model_validate(item).create()
-
-
-def _automation_exists(name: str) -> bool:
-    from prefect.automations import Automation
-
-    try:
-        Automation.read(name=name)
-        return True
-    except ValueError:
-        return False
 
 
 def start_worker(state: dict[str, Any], pool: str, name: str) -> dict[str, Any]:
@@ -424,12 +415,10 @@ def _register(state: dict[str, Any], gpu_workers: int, zombie_after_s: int) -> N
     """Work pools, deployments, the GPU limit and the zombie automation, on the new server."""
     import contextlib
 
-    from flows.deploy import deploy_all, ensure_work_pool
+    from flows.deploy import deploy_all
 
     with _api(state["prefect"]["api_url"]), open(Path(state["dir"]) / "deploy.log", "a") as out, \
             contextlib.redirect_stdout(out):  # Prefect's deploy prints a table per deployment
-        ensure_work_pool(state["gpu_pool"], "process")
-        ensure_work_pool(state["cpu_pool"], "process")
         deploy_all(ROOT / "infra" / "prefect.yaml", gpu_slots={state["gpu_pool"]: max(gpu_workers, 1)},
                    pool_type="process")
         create_zombie_automation(zombie_after_s)
