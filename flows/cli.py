@@ -439,6 +439,26 @@ def deploy(prefect_file: Annotated[Path, typer.Option(help="deployment declarati
 
 
 @app.command()
+def jobset(stage: Annotated[str, typer.Option(help="the stage (resources.<stage>.hosts > 1)")] = "finetune",
+           recipe: Recipe = "tiny", store: Store = "s3://forgeline-artifacts/releases", set_: Sets = None) -> None:
+    """Print, as YAML, the JobSet a multi-host STAGE of the recipe runs as on a Kubernetes pool (to review, or
+    to check with `kubectl apply --dry-run=server -f -`)."""
+    import yaml
+
+    from flows.jobset import preview
+    from tasks.recipe import ConfigError, load_release
+    from tasks.registry import STAGES
+
+    if stage not in STAGES:
+        _fail(f"--stage {stage!r}: not a stage (one of {', '.join(STAGES)})", 2)
+    try:
+        body = preview(load_release(recipe, set_ or []), stage, store)
+    except (ConfigError, ValueError) as e:
+        _fail(_first_line(e), 2)
+    print(yaml.safe_dump(body, sort_keys=False, width=120), end="")
+
+
+@app.command()
 def worker(pool: Annotated[str, typer.Option(help="the work pool to serve")] = "forgeline-gpu",
            name: Annotated[str | None, typer.Option(help="the worker's name (default: Prefect's)")] = None,
            limit: Annotated[int | None, typer.Option(help="flow runs at once (1: a one-GPU machine)")] = None,

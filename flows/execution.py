@@ -9,8 +9,9 @@
   worker or node died) is started again, `execution.crash_retries` times; it resumes from the stage's
   checkpoints. The artifact itself is read back from the store, never from Prefect's result storage: the
   manifest is the one source of truth in both modes, so a stage committed by one mode is reused by the other.
-- `hosts: N > 1` (either mode): the stage's compute runs as one gang of N JAX processes (flows/gang.py,
-  `tasks/member.py`) while the process that holds the stage's lease commits what process 0 wrote.
+- `hosts: N > 1` (either mode): the stage's compute runs as one gang of N JAX processes (`tasks/member.py`)
+  while the process that holds the stage's lease commits what process 0 wrote: N processes on this machine
+  (flows/gang.py), or, when the stage's flow run is on a Kubernetes pool, a JobSet of N pods (flows/jobset.py).
 
 GPU slots: a GPU stage holds `accelerators * hosts` slots of the Prefect global concurrency limit
 `gpu-<pool>` while it computes (created by `forgeline deploy --gpu-slots N` or `forgeline stack up`), so a
@@ -55,16 +56,21 @@ def deployment_name(kind: str) -> str:
 
 # -- resources -> a pool's job variables --------------------------------------------------------------
 
-def job_variables(resources: StageResources, pool_type: str) -> dict[str, Any]:
+def job_variables(resources: StageResources, pool_type: str, execution: ExecutionConfig | None = None
+                  ) -> dict[str, Any]:
     """The recipe's resource hints as the job variables of a pool of type `pool_type`.
 
     Kubernetes pools (infra/work-pools/kubernetes-gpu.json): `gpu_count` (the container's nvidia.com/gpu),
     `memory`, `cpu`, `node_selector`, `tolerations`, `image`, each only when the recipe sets it, so the
     pool's defaults apply otherwise. A process pool runs on the worker's own machine: nothing to map.
-    A multi-host stage on Kubernetes asks for one host's share here; its gang is rendered as an indexed
-    Job (infra/jobset) from the same hints."""
+    A multi-host stage's flow run on Kubernetes is a launcher pod with no GPU; its gang is a JobSet rendered
+    from the same hints (flows/jobset.py)."""
     if pool_type != "kubernetes":
         return {}
+    if resources.hosts > 1:  # the flow run only launches and watches the gang's JobSet (flows/jobset.py)
+        account = (execution or ExecutionConfig()).kubernetes.launcher_service_account
+        return {"gpu_count": 0, **({"image": resources.image} if resources.image else {}),
+                **({"service_account_name": account} if account else {})}
     out: dict[str, Any] = {"gpu_count": resources.accelerators}
     if resources.memory_gib is not None:
         out["memory"] = f"{resources.memory_gib}Gi"
@@ -77,6 +83,14 @@ def job_variables(resources: StageResources, pool_type: str) -> dict[str, Any]:
     if resources.image:
         out["image"] = resources.image
     return out
+
+
+def pool_type(pool: str) -> str:
+    """The type of work pool `pool` ("process", "kubernetes", ...) on the configured Prefect server."""
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        return client.read_work_pool(pool).type
 
 
 # -- a gang of JAX processes for one stage's compute ---------------------------------------------------
@@ -115,8 +129,18 @@ def gang_runner(hosts: int, *, per_process_env: list[dict[str, str]] | None = No
     return run
 
 
-def runner_for(resources: StageResources) -> Runner:
-    return gang_runner(resources.hosts) if resources.hosts > 1 else in_process
+def runner_for(resources: StageResources, execution: ExecutionConfig | None = None,
+               pool_type: str | None = None) -> Runner:
+    """Where the stage computes: in this process (one host), a JobSet (several hosts, a Kubernetes pool), or
+    a gang of processes on this machine (several hosts anywhere else)."""
+    if resources.hosts == 1:
+        return in_process
+    if pool_type == "kubernetes":
+        from flows.jobset import jobset_runner
+
+        execution = execution or ExecutionConfig()
+        return jobset_runner(resources, execution.kubernetes, execution.stage_timeout_s)
+    return gang_runner(resources.hosts)
 
 
 # -- workers: one flow run per stage -----------------------------------------------------------------
@@ -150,6 +174,16 @@ def check_workers(execution: ExecutionConfig, resources: Any, kinds: list[str]) 
                 raise StageRunFailed(f"resources.{kind}.pool: the deployment {deployment_name(kind)} runs on pool "
                                      f"{deployment.work_pool_name!r}, the recipe asks for {pool!r} (`forgeline "
                                      f"deploy --recipe ...` registers the stage deployments on the recipe's pools)")
+            res = resources.of(kind)
+            if res.hosts > 1 and client.read_work_pool(pool).type == "kubernetes":
+                from flows.jobset import render
+                from tasks.registry import stage
+
+                try:  # what the launcher will render, now rather than after the stages before it
+                    render("preflight", kind, "0" * 64, "s3://preflight/member.json", res, execution.kubernetes,
+                           timeout_s=execution.stage_timeout_s, trains=stage(kind).trains)
+                except ValueError as e:
+                    raise StageRunFailed(str(e)) from None
 
 
 def idempotency_key(kind: str, fingerprint: str, store: str, attempt: int) -> str:
@@ -228,11 +262,13 @@ def run_on_worker(name: str, kind: str, config: dict[str, Any], inputs: dict[str
                                  f"deploy --recipe ...` to register the stage deployments on the recipe's pools)")
         pool_type = client.read_work_pool(pool).type
     params = {"name": name, "kind": kind, "config": config, "inputs": inputs, "store": store, "salt": salt,
-              "resources": resources.model_dump(mode="json"), "pool": pool}
+              "resources": resources.model_dump(mode="json"), "pool": pool,
+              "execution": execution.model_dump(mode="json")}
     artifacts = Store(store)
     for attempt in range(execution.crash_retries + 1):
         run = run_deployment(deployment_name(kind), parameters=params, flow_run_name=name,
-                             job_variables=job_variables(resources, pool_type), tags=["forgeline", f"stage:{kind}"],
+                             job_variables=job_variables(resources, pool_type, execution),
+                             tags=["forgeline", f"stage:{kind}"],
                              idempotency_key=idempotency_key(kind, fingerprint, store, attempt), timeout=0)
         run = _wait(run, execution.stage_timeout_s)
         state = run.state

@@ -170,7 +170,7 @@ def routed_logs() -> Iterator[None]:
 @flow(name=ex.STAGE_FLOW, flow_run_name="{name}", log_prints=True)
 def stage_flow(name: str, kind: str, config: dict[str, Any], inputs: dict[str, dict], store: str,
                salt: dict[str, Any] | None = None, resources: dict[str, Any] | None = None,
-               pool: str | None = None) -> dict[str, Any]:
+               pool: str | None = None, execution: dict[str, Any] | None = None) -> dict[str, Any]:
     """One stage as its own flow run (the `stage/<kind>` deployments a workers-mode release starts): the
     commit protocol in this process, the compute here or in a gang (`resources.hosts`), holding
     `accelerators * hosts` slots of the pool's GPU limit while it computes."""
@@ -178,14 +178,15 @@ def stage_flow(name: str, kind: str, config: dict[str, Any], inputs: dict[str, d
 
     spec = registry.stage(kind)
     res = StageResources.model_validate(resources or {})
+    mode = ExecutionConfig.model_validate(execution or {})
     refs = {k: ArtifactRef.from_dict(v) for k, v in inputs.items()}
     slots = res.accelerators * res.hosts
     limit = ex.gpu_limit_name(pool) if pool and slots else None
+    runner = ex.runner_for(res, mode, ex.pool_type(pool) if pool and res.hosts > 1 else None)
 
     def compute() -> ArtifactRef:
         return registry.run_stage(Store(store), kind, spec.parse(config), refs, salt=salt,
-                                  progress=_progress_reporter(name) if spec.trains else None,
-                                  runner=ex.runner_for(res))
+                                  progress=_progress_reporter(name) if spec.trains else None, runner=runner)
 
     with routed_logs():
         if limit is None:

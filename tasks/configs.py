@@ -307,6 +307,29 @@ class ResourcesConfig(BaseModel):
         return getattr(self, kind)
 
 
+class KubernetesGangConfig(BaseModel):
+    """Where a multi-host stage's JobSet goes when its pool is a Kubernetes pool (flows/jobset.py)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # None: the launcher pod's own namespace (its service account's), "default" outside a cluster.
+    namespace: str | None = None
+    # The gang's image when `resources.<stage>.image` is unset: infra/Dockerfile built with JAX_EXTRAS=cuda12.
+    image: str = "forgeline:cuda12"
+    # A ReadWriteMany volume claim every host mounts for the stage's checkpoints: orbax writes a multi-host
+    # checkpoint into one folder shared by all processes. Required for a multi-host training stage.
+    checkpoint_claim: str | None = None
+    # A Secret with the store's credentials (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL ...),
+    # loaded into every host's environment.
+    secret: str | None = "forgeline-s3"
+    service_account: str | None = None  # the gang's pods' (they need no Kubernetes API access)
+    # The launcher's (the stage's flow run pod): creates, watches, deletes the JobSet (infra/jobset/launcher-rbac.yaml)
+    launcher_service_account: str | None = "forgeline-launcher"
+    coordinator_port: int = Field(8476, ge=1024, le=65535)
+    shm_gib: int = Field(64, ge=1)  # /dev/shm (NCCL, data loaders)
+    scratch_gib: int = Field(512, ge=1)  # each host's local copy of the inputs and outputs
+
+
 class ExecutionConfig(BaseModel):
     """How a release's stages are run: `inline` (every stage in the flow's own process, one after the other)
     or `workers` (each stage a flow run of its own deployment on a work pool, independent stages at once)."""
@@ -321,6 +344,8 @@ class ExecutionConfig(BaseModel):
     # A stage run that ends Crashed (its worker died) is launched again this many times; it resumes from its
     # checkpoints. Failed runs (a bad input, a diverged loss) are not retried.
     crash_retries: int = Field(2, ge=0, le=10)
+    # Multi-host stages on a Kubernetes pool run as a JobSet (flows/jobset.py).
+    kubernetes: KubernetesGangConfig = KubernetesGangConfig()
 
     def pool(self, resources: StageResources) -> str:
         return resources.pool or (self.gpu_pool if resources.accelerators else self.cpu_pool)

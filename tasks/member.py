@@ -6,15 +6,20 @@ same inputs: it joins the job from the standard variables (`JAX_COORDINATOR_ADDR
 `JAX_PROCESS_ID`; tasks/training/distributed.py), so the trainer's mesh spans every process's devices,
 and process 0 writes the outputs. The launcher, which holds the stage's lease, commits them.
 
-The spec (JSON, written by the launcher; never a pickle):
+The spec (JSON, written by the launcher, a local file or a URL in the store; never a pickle):
 
     {"kind": "finetune", "config": {...}, "fingerprint": "...", "store": "s3://...",
-     "inputs": {"base": "/local/folder", ...}, "refs": {"base": {ArtifactRef}, ...},
-     "out": "/local/staging/folder", "stats": "/local/stats.json"}
+     "refs": {"base": {ArtifactRef}, ...}, "stats": "/local/stats.json or s3://.../stats.json",
+     "inputs": {"base": "/local/folder", ...}, "out": "/local/staging/folder"}   # on the launcher's machine
+     "out_url": "s3://.../staging/..."                                            # on other machines
 
-Process 0 writes the stage's metadata to `stats` and prints its training progress as `@progress {json}`
-lines, which the launcher turns into the stage's progress in the UI; every other process writes into a
-scratch folder of its own. A failure is one `error:` line on stderr and exit 1, as in tasks/cli.py.
+On the launcher's machine (flows/gang.py) the members read the inputs the launcher fetched and process 0
+writes straight into its staging folder. On other machines (a Kubernetes JobSet, flows/jobset.py) the spec
+has no `inputs`: every host fetches the referenced artifacts itself (checked against their manifests), and
+process 0 uploads its output folder to `out_url` for the launcher to commit. Process 0 writes the stage's
+metadata to `stats` and prints its training progress as `@progress {json}` lines, which the launcher turns
+into the stage's progress in the UI; every other process writes into a scratch folder of its own. A failure
+is one `error:` line on stderr and exit 1, as in tasks/cli.py.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -51,10 +57,11 @@ def _progress(step: int, total: int, metrics: dict[str, float]) -> None:
 
 def run_member(spec: dict[str, Any]) -> dict[str, Any] | None:
     """Join the job, run the stage; the metadata on process 0, None on the others."""
+    import storage
     from storage import ArtifactRef, Store
     from tasks import registry
     from tasks.cli import configure_jax
-    from tasks.stage import StageContext
+    from tasks.stage import StageContext, work_root
     from tasks.training.distributed import initialize_from_env, is_primary
 
     initialize_from_env()
@@ -62,18 +69,38 @@ def run_member(spec: dict[str, Any]) -> dict[str, Any] | None:
     stage = registry.stage(spec["kind"])
     cfg = stage.parse(spec["config"])
     primary = is_primary()
-    out = Path(spec["out"]) if primary else Path(tempfile.mkdtemp(prefix=f"{spec['kind']}-member-"))
-    ctx = StageContext(spec["kind"], spec["fingerprint"], out, {k: Path(v) for k, v in spec["inputs"].items()},
-                       {k: ArtifactRef.from_dict(v) for k, v in spec["refs"].items()}, Store(spec["store"]))
-    metadata = stage.load().run(cfg, ctx.inputs, out, progress=_progress if primary and stage.trains else None,
-                                context=ctx)
-    if not primary:
-        import shutil
+    store = Store(spec["store"])
+    refs = {k: ArtifactRef.from_dict(v) for k, v in spec["refs"].items()}
+    if "inputs" in spec:  # the launcher's machine: its local copies
+        inputs = {k: Path(v) for k, v in spec["inputs"].items()}
+    else:  # another machine: fetch (and check) our own
+        inputs = {k: store.fetch(ref) for k, ref in refs.items()}
+    scratch = primary and "out" in spec
+    out = Path(spec["out"]) if scratch else Path(tempfile.mkdtemp(prefix=f"{spec['kind']}-member-", dir=work_root()))
+    ctx = StageContext(spec["kind"], spec["fingerprint"], out, inputs, refs, store)
+    try:
+        metadata = stage.load().run(cfg, ctx.inputs, out, progress=_progress if primary and stage.trains else None,
+                                    context=ctx)
+        if not primary:
+            return None
+        if "out_url" in spec:
+            storage.upload_dir(out, spec["out_url"])
+            # the hosts' shared checkpoint folder: the launcher, on another machine, cannot remove it once it
+            # commits (the copies in the store are the ones a rerun resumes from)
+            shutil.rmtree(ctx.checkpoint_dir, ignore_errors=True)
+        storage.write_bytes(spec["stats"], json.dumps(metadata or {}, default=str).encode())
+        return metadata
+    finally:
+        if not scratch:
+            shutil.rmtree(out, ignore_errors=True)
 
-        shutil.rmtree(out, ignore_errors=True)
-        return None
-    Path(spec["stats"]).write_text(json.dumps(metadata or {}, default=str))
-    return metadata
+
+def _read_spec(where: str) -> bytes:
+    if "://" in where:
+        import storage
+
+        return storage.read_bytes(where)
+    return Path(where).read_bytes()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -87,7 +114,7 @@ def main(argv: list[str] | None = None) -> None:
     for noisy in ("jax", "absl", "orbax"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
-        spec = json.loads(Path(args[0]).read_text())
+        spec = json.loads(_read_spec(args[0]))
         run_member(spec)
     except Exception as e:
         logging.getLogger("forgeline").debug("member failed", exc_info=True)

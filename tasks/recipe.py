@@ -44,6 +44,16 @@ def validate(cls: type[M], data: dict[str, Any], source: str) -> M:
         raise _one_line(e, source) from None
 
 
+# Sections a recipe may state as one string, short for one of their keys: `execution: workers`.
+SHORTHANDS = {"execution": "mode"}
+
+
+def _expand_shorthands(data: dict[str, Any]) -> dict[str, Any]:
+    """`{"execution": "workers"}` -> `{"execution": {"mode": "workers"}}`, so that merging it with another
+    source's `execution.<key>` keeps both."""
+    return {k: {SHORTHANDS[k]: v} if k in SHORTHANDS and isinstance(v, str) else v for k, v in data.items()}
+
+
 def parse_overrides(overrides: list[str]) -> dict[str, Any]:
     """`["finetune.train.steps=10", "finetune.mode=full"]` -> nested dict; values parsed as YAML."""
     out: dict[str, Any] = {}
@@ -53,6 +63,8 @@ def parse_overrides(overrides: list[str]) -> dict[str, Any]:
         key, raw = item.split("=", 1)
         if not key:
             raise ConfigError(f"override {item!r}: empty key")
+        if key.strip() in SHORTHANDS:
+            key = f"{key.strip()}.{SHORTHANDS[key.strip()]}"
         value = yaml.safe_load(raw) if raw.strip() else ""
         node = out
         parts = key.strip().split(".")
@@ -100,6 +112,7 @@ def _recipe_data(name_or_file: str, seen: tuple[Path, ...] = ()) -> tuple[Path, 
         raise ConfigError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: a recipe is a mapping of stage sections")
+    data = _expand_shorthands(data)
     parent = data.pop("extends", None)
     if parent is None:
         return path, data

@@ -141,7 +141,10 @@ def _code(module: str | None) -> str:
 
 
 def checkpoint_dir(kind: str, fp: str) -> Path:
-    return work_root() / "ckpt" / kind / fp
+    """`$FORGELINE_CHECKPOINT_ROOT/<kind>/<fp>` when set (a multi-host stage's folder shared by all of its
+    hosts: orbax writes one checkpoint from every process into one folder), else under the work root."""
+    shared = os.environ.get("FORGELINE_CHECKPOINT_ROOT")
+    return (Path(shared) if shared else work_root() / "ckpt") / kind / fp
 
 
 def work_root() -> Path:

@@ -64,3 +64,28 @@ def test_a_failed_release_cancels_the_stage_runs_it_started(prefect_harness):
         child = client.read_flow_run(child.id)
     assert child.parent_task_run_id is not None
     assert child.state.type.value in ("CANCELLING", "CANCELLED"), child.state
+
+
+def test_workers_preflight_refuses_a_multi_host_stage_on_kubernetes_without_a_checkpoint_claim(prefect_harness):
+    """The launcher would refuse to render the JobSet only when the fine-tune's turn came; the preflight does it
+    before the release starts, naming the key. With the claim, the same recipe passes."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import WorkPoolCreate
+
+    from flows.deploy import ROOT, deploy_all
+    from flows.execution import StageRunFailed, check_workers
+    from tasks.recipe import load_release
+
+    with get_client(sync_client=True) as client:
+        client.create_work_pool(WorkPoolCreate(name="forgeline-k8s", type="kubernetes"), overwrite=True)
+    deploy_all(ROOT / "infra" / "prefect.yaml", stage_pools={"finetune": "forgeline-k8s"})
+    sets = ["execution=workers", "resources.finetune.pool=forgeline-k8s", "resources.finetune.hosts=2",
+            "resources.finetune.accelerators=8"]
+    cfg = load_release("tiny", sets)
+    with pytest.raises(StageRunFailed, match="execution.kubernetes.checkpoint_claim"):
+        check_workers(cfg.execution, cfg.resources, ["data_prep", "finetune"])
+    cfg = load_release("tiny", [*sets, "execution.kubernetes.checkpoint_claim=forgeline-checkpoints"])
+    check_workers(cfg.execution, cfg.resources, ["data_prep", "finetune"])
+    with pytest.raises(StageRunFailed, match="resources.finetune.pool"):  # the deployment is on another pool
+        cfg = load_release("tiny", ["execution=workers", "resources.finetune.pool=forgeline-h100"])
+        check_workers(cfg.execution, cfg.resources, ["finetune"])

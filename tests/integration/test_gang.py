@@ -141,3 +141,52 @@ def test_a_process_that_hangs_after_the_others_finished_is_stopped(tmp_path):
         run_gang([sys.executable, str(script)], 2, finish_grace=2.0)
     assert time.monotonic() - t0 < 30
     assert e.value.last_line == "waiting for the coordinator"
+
+
+@pytest.mark.slow
+def test_two_host_finetune_as_a_jobset_equals_one_process(tiny_base, tmp_path, monkeypatch, caplog):
+    """The fine-tune stage with `hosts: 2` on a Kubernetes pool: rendered as a JobSet, created through the
+    Kubernetes client against tests/kube_fake.py (whose pods are local processes with their own scratch
+    folders and one shared checkpoint claim), each host fetching its own inputs from the store and process 0
+    uploading the output, which the launcher commits. Trains like one process."""
+    import logging
+
+    from flows.jobset import jobset_runner
+    from tasks import registry
+    from tasks.configs import KubernetesGangConfig, StageResources
+    from tests.kube_fake import FakeCluster
+
+    monkeypatch.setenv("JAX_NUM_CPU_DEVICES", "1")
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    caplog.set_level(logging.INFO, logger="forgeline.gang")
+    store, refs = _store_with_inputs(tiny_base, tmp_path / "k8s-store")
+    progress: list[int] = []
+    with FakeCluster(tmp_path / "cluster") as cluster:
+        monkeypatch.setenv("KUBECONFIG", str(cluster.kubeconfig))
+        runner = jobset_runner(StageResources(hosts=2),
+                               KubernetesGangConfig(namespace="ml", checkpoint_claim="ckpt", secret=None), 900,
+                               poll=0.5)
+        t0 = time.monotonic()
+        ref = registry.run_stage(Store(store), "finetune", FINETUNE, refs, runner=runner,
+                                 progress=lambda step, total, metrics: progress.append(step))
+        seconds = time.monotonic() - t0
+        assert len(cluster.created) == 1 and cluster.jobsets == {} and cluster.pods == {}  # deleted after
+        claim = [p for p in (tmp_path / "cluster").iterdir() if p.name.startswith("claim-ckpt-")]
+        assert len(claim) == 1 and (claim[0] / "finetune").is_dir()  # both hosts checkpointed into the claim
+    with pytest.raises(FileNotFoundError):  # the staging prefix went with the commit
+        storage.list_files(Store(store).url("staging/gang"))
+
+    one_store, one_refs = _store_with_inputs(tiny_base, tmp_path / "one")
+    one = registry.run_stage(Store(one_store), "finetune", FINETUNE, one_refs)
+    assert ref.url.rsplit("/", 1)[-1] == one.url.rsplit("/", 1)[-1]
+    np.testing.assert_allclose(_losses(ref), _losses(one), rtol=1e-5)
+    w_k8s, w_one = _weights(ref), _weights(one)
+    for k in w_one:
+        diff = np.abs(w_k8s[k] - w_one[k])
+        assert np.linalg.norm(diff) <= 1e-4 * np.linalg.norm(w_one[k]), (k, np.linalg.norm(diff))
+    assert progress and progress[-1] == 4  # process 0's progress lines became the stage's progress
+    lines = [r.getMessage() for r in caplog.records if r.name == "forgeline.gang"]
+    assert any(m.startswith("[p0] ") for m in lines) and any(m.startswith("[p1] ") for m in lines), lines[-10:]
+    print(f"jobset: 2-host fine-tune stage through the Kubernetes client {seconds:.1f}s, "
+          f"{len(lines)} log lines; loss max relative difference to one process "
+          f"{np.max(np.abs(np.subtract(_losses(ref), _losses(one))) / np.abs(_losses(one))):.2e}")

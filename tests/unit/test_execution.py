@@ -40,6 +40,20 @@ def test_execution_and_resources_parse_from_a_recipe_and_the_command_line():
         load_release("tiny", ["resources.finetune.hosts=0"])
 
 
+def test_the_execution_shorthand_merges_with_execution_keys(tmp_path):
+    """`execution: workers` (a recipe's line or a --set) is `execution.mode`: stated next to other execution
+    keys, from the recipe or the command line, both hold."""
+    cfg = load_release("tiny", ["execution=workers", "execution.crash_retries=5"])
+    assert (cfg.execution.mode, cfg.execution.crash_retries) == ("workers", 5)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("extends: tiny\nexecution: workers\n")
+    cfg = load_release(str(recipe), ["execution.gpu_pool=h200"])
+    assert (cfg.execution.mode, cfg.execution.gpu_pool) == ("workers", "h200")
+    recipe.write_text("extends: tiny\nexecution: {gpu_pool: h200, crash_retries: 4}\n")
+    cfg = load_release(str(recipe), ["execution=workers"])
+    assert (cfg.execution.mode, cfg.execution.gpu_pool, cfg.execution.crash_retries) == ("workers", "h200", 4)
+
+
 def test_every_stage_has_resources_and_cpu_stages_ask_for_no_gpu():
     assert set(ResourcesConfig.model_fields) == set(registry.STAGES)
     res = ResourcesConfig()
@@ -70,7 +84,7 @@ def test_idempotency_keys_name_the_stage_its_store_and_the_attempt():
 
 def test_resources_become_job_variables_the_gpu_pool_accepts():
     schema = TEMPLATE["variables"]
-    gpu = StageResources(accelerators=8, hosts=2, memory_gib=1600, cpus=96, image="registry.example.com/fl:1",
+    gpu = StageResources(accelerators=8, memory_gib=1600, cpus=96, image="registry.example.com/fl:1",
                          node_selector={"nvidia.com/gpu.product": "NVIDIA-H200"},
                          tolerations=({"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},))
     cases = [gpu, StageResources(), StageResources(accelerators=1)]

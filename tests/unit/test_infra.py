@@ -60,14 +60,6 @@ def _pool_template() -> dict:
     return json.loads((INFRA / "work-pools" / "kubernetes-gpu.json").read_text())
 
 
-def _jobset_docs() -> tuple[dict, dict]:
-    docs = _yaml_docs(INFRA / "jobset" / "multihost-train.yaml")
-    services = [d for d in docs if d["kind"] == "Service"]
-    jobsets = [d for d in docs if d["kind"] == "JobSet"]
-    assert len(services) == 1 and len(jobsets) == 1, [d["kind"] for d in docs]
-    return services[0], jobsets[0]
-
-
 def _dockerfile_instructions() -> list[tuple[str, str]]:
     """(INSTRUCTION, arguments) with line continuations joined and comments dropped."""
     logical, buf = [], ""
@@ -110,7 +102,8 @@ def test_every_yaml_and_json_in_infra_parses():
     files = sorted(p for p in INFRA.rglob("*") if p.suffix in {".yaml", ".yml", ".json"})
     names = {p.relative_to(INFRA).as_posix() for p in files}
     assert {"prefect.yaml", "compose.yaml", "fsspec.json", "work-pools/kubernetes-gpu.json",
-            "jobset/multihost-train.yaml", "automations/zombie-flow-runs.yaml"} <= names
+            "jobset/multihost-train.yaml", "jobset/launcher-rbac.yaml", "jobset/checkpoints-claim.yaml",
+            "automations/zombie-flow-runs.yaml"} <= names
     for path in files:
         if path.suffix == ".json":
             assert isinstance(json.loads(path.read_text()), dict), path
@@ -434,95 +427,74 @@ def test_pool_template_with_the_real_kubernetes_worker():
 
 # -- JobSet ------------------------------------------------------------------------------------------------------
 
-def test_jobset_wires_the_jax_coordinator_and_process_ids():
-    svc, js = _jobset_docs()
-    assert js["apiVersion"] == "jobset.x-k8s.io/v1alpha2"
-    name = js["metadata"]["name"]
-    network = js["spec"]["network"]
-    assert network["enableDNSHostnames"] is True
-    subdomain = network["subdomain"]
-    # headless service named like the subdomain, selecting this JobSet's pods
-    assert svc["spec"]["clusterIP"] == "None" and svc["metadata"]["name"] == subdomain
-    assert svc["spec"]["selector"] == {"jobset.sigs.k8s.io/jobset-name": name}
-    assert svc["spec"].get("publishNotReadyAddresses") is True
-
-    (rjob,) = js["spec"]["replicatedJobs"]
-    assert rjob["replicas"] == 1
-    job = rjob["template"]["spec"]
-    assert job["completionMode"] == "Indexed"
-    n = job["parallelism"]
-    assert n == job["completions"] >= 2
-    assert job["backoffLimit"] == 0 and job["activeDeadlineSeconds"] > 0
-    pod = job["template"]["spec"]
-    assert pod.get("subdomain", subdomain) == subdomain
-    (container,) = pod["containers"]
-    env = _env_list_to_dict(container["env"])
-
-    coordinator = env["JAX_COORDINATOR_ADDRESS"]["value"]
-    host, port = coordinator.rsplit(":", 1)
-    assert host == f"{name}-{rjob['name']}-0-0.{subdomain}"   # <jobset>-<rjob>-<job idx>-<pod idx>.<subdomain>
-    assert int(port) in {p["containerPort"] for p in container["ports"]}
-    assert int(port) in {p.get("targetPort", p["port"]) for p in svc["spec"]["ports"]}
-    assert len(f"{name}-{rjob['name']}-0-0") <= 63                 # a DNS label
-    assert int(env["JAX_NUM_PROCESSES"]["value"]) == n
-    assert env["JAX_PROCESS_ID"]["valueFrom"]["fieldRef"]["fieldPath"] == \
-        "metadata.annotations['batch.kubernetes.io/job-completion-index']"
+def _header_command(path: Path) -> list[str]:
+    """The `forgeline jobset ...` command a rendered example's header says produced it, as argv."""
+    lines = [ln[1:].strip() for ln in path.read_text().splitlines() if ln.startswith("#")]
+    start = next(i for i, ln in enumerate(lines) if ln.startswith("forgeline jobset"))
+    command = []
+    for ln in lines[start:]:
+        command.append(ln.rstrip("\\").strip())
+        if not ln.endswith("\\"):
+            break
+    return shlex.split(" ".join(command))[2:]
 
 
-def test_jobset_pods_get_gpus_and_run_the_stage_module():
-    _, js = _jobset_docs()
+def test_the_jobset_example_is_what_forgeline_renders_for_its_command():
+    """infra/jobset/multihost-train.yaml is the output of the command in its header, so it cannot drift
+    from what a release creates."""
+    from typer.testing import CliRunner
+
+    from flows.cli import app
+
+    path = INFRA / "jobset" / "multihost-train.yaml"
+    result = CliRunner().invoke(app, ["jobset", *_header_command(path)])
+    assert result.exit_code == 0, result.output
+    assert _yaml_docs(path) == [yaml.safe_load(result.output)]
+    (js,) = _yaml_docs(path)
     pod = js["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
     (container,) = pod["containers"]
-    for kind in ("limits", "requests"):
-        assert int(container["resources"][kind]["nvidia.com/gpu"]) >= 1
-    assert any(t.get("key") == "nvidia.com/gpu" for t in pod["tolerations"])
-    assert pod["restartPolicy"] == "Never"
-    # The container runs `python -m tasks.<stage> --flag ...` (inside `sh -c`, so the leader can upload).
-    argv = container.get("command", []) + container.get("args", [])
-    script = argv[-1].replace("\\\n", " ")
-    (line,) = [ln for ln in script.splitlines() if ln.strip().startswith("python -m tasks.")]
-    tokens = shlex.split(line)
-    module = importlib.import_module(tokens[2])
-    assert callable(getattr(module, "main", None))
-    # every flag the JobSet passes is one the stage's CLI accepts
-    flags = {t for t in tokens if t.startswith("--")}
-    assert {"--base", "--data", "--out"} <= flags
-    parser_flags = _cli_flags(module)
-    assert flags <= parser_flags, flags - parser_flags
-    # no credentials in the manifest: S3 keys come from a Secret
+    assert container["args"][:3] == ["python", "-m", "tasks.member"]
+    assert callable(importlib.import_module("tasks.member").main)
     env = _env_list_to_dict(container["env"])
-    assert not {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"} & set(env)
-    assert container["envFrom"][0]["secretRef"]["name"]
+    assert not {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"} & set(env)  # credentials come from a Secret
+    assert container["envFrom"][0]["secretRef"]["name"] == "forgeline-s3"
 
 
-def test_jobset_checkpoints_go_to_one_folder_every_host_shares():
-    """Multi-host orbax writes every process's shards into one folder: --checkpoints must be on a
-    ReadWriteMany claim mounted in every pod, not on a per-pod emptyDir."""
-    docs = _yaml_docs(INFRA / "jobset" / "multihost-train.yaml")
-    claims = {d["metadata"]["name"]: d for d in docs if d["kind"] == "PersistentVolumeClaim"}
-    _, js = _jobset_docs()
+def test_the_jobset_checkpoints_into_the_shared_claim_infra_declares():
+    (js,) = _yaml_docs(INFRA / "jobset" / "multihost-train.yaml")
+    (claim,) = _yaml_docs(INFRA / "jobset" / "checkpoints-claim.yaml")
     pod = js["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
     (container,) = pod["containers"]
-    script = (container.get("command", []) + container.get("args", []))[-1].replace("\\\n", " ")
-    (line,) = [ln for ln in script.splitlines() if ln.strip().startswith("python -m tasks.")]
-    tokens = shlex.split(line)
-    ckpt = tokens[tokens.index("--checkpoints") + 1]
-    mount = max((m for m in container["volumeMounts"] if ckpt.startswith(m["mountPath"].rstrip("/") + "/")),
-                key=lambda m: len(m["mountPath"]))
-    volume = {v["name"]: v for v in pod["volumes"]}[mount["name"]]
-    claim = claims[volume["persistentVolumeClaim"]["claimName"]]
+    root = _env_list_to_dict(container["env"])["FORGELINE_CHECKPOINT_ROOT"]["value"]
+    (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == root]
+    assert volumes[mount["name"]]["persistentVolumeClaim"]["claimName"] == claim["metadata"]["name"]
     assert "ReadWriteMany" in claim["spec"]["accessModes"]
 
 
-def _cli_flags(module) -> set[str]:
-    """The option strings of a stage module's argparse parser, read by running `main(['--help'])`."""
-    import contextlib
-    import io
+def test_the_launcher_account_may_do_what_the_launcher_does_and_no_more():
+    """The calls flows/jobset.py makes, read from its source, against the Role in launcher-rbac.yaml."""
+    import inspect
 
-    buf = io.StringIO()
-    with contextlib.redirect_stdout(buf), pytest.raises(SystemExit):
-        module.main(["--help"])
-    return set(re.findall(r"(--[\w-]+)", buf.getvalue()))
+    from flows import jobset
+    from tasks.configs import KubernetesGangConfig
+
+    docs = {d["kind"]: d for d in _yaml_docs(INFRA / "jobset" / "launcher-rbac.yaml")}
+    assert docs["ServiceAccount"]["metadata"]["name"] == KubernetesGangConfig().launcher_service_account
+    assert docs["RoleBinding"]["subjects"][0]["name"] == docs["ServiceAccount"]["metadata"]["name"]
+    granted = {(g, r, v) for rule in docs["Role"]["rules"] for g in rule["apiGroups"] for r in rule["resources"]
+               for v in rule["verbs"]}
+    source = inspect.getsource(jobset.KubeGang)
+    verbs = {"create_namespaced_custom_object": ("jobset.x-k8s.io", "jobsets", "create"),
+             "get_namespaced_custom_object": ("jobset.x-k8s.io", "jobsets", "get"),
+             "delete_namespaced_custom_object": ("jobset.x-k8s.io", "jobsets", "delete"),
+             "delete_collection_namespaced_custom_object": ("jobset.x-k8s.io", "jobsets", "deletecollection"),
+             "list_namespaced_pod": ("", "pods", "list"),
+             "read_namespaced_pod_log": ("", "pods/log", "get")}
+    used = {need for call, need in verbs.items() if re.search(rf"\.{call}\(", source)}
+    calls = set(re.findall(r"(?:custom|core)\.(\w+)\(", source))
+    assert calls <= set(verbs), calls - set(verbs)  # a new call needs its line above, and a rule
+    assert used == granted, (used ^ granted)
 
 
 # -- fsspec config ---------------------------------------------------------------------------------------------
