@@ -10,22 +10,30 @@ The key map is structural: a module at nnx path ("layers", 3, "self_attn", "q_pr
 module "model.layers.3.self_attn.q_proj" (the LM head stays top-level "lm_head"); a Linear's
 kernel [in, out] is the HF weight [out, in] transposed; Embed and RMSNorm weights are stored as is.
 
-Only safetensors are read (safetensors.numpy; never pickle). Every header is validated before a
-byte of data is read, so a corrupt or truncated file, a missing tensor or a wrong shape raises a
-one-line ValueError naming the file and the tensor. Local paths and file:// URLs are used
-directly; any other scheme goes through `storage.download_dir` / `storage.upload_dir`.
+    model = from_pretrained("s3://bucket/ckpt", dtype=jnp.bfloat16, mesh=mesh)   # streamed onto a mesh
+
+Only safetensors are read (never pickle). Every header is validated before a byte of data is read, so a
+corrupt or truncated file, a missing tensor or a wrong shape raises a one-line ValueError naming the file
+and the tensor. Loading is streamed: the model is built abstractly and each variable, a lazy view of the
+checkpoint's tensors (models/views.py), is filled with only the slices this process's devices hold --
+memory maps for local files, ranged reads for other URLs, never a full local copy. Saving streams one
+tensor at a time into files planned from abstract shapes. docs/formats/hf-checkpoint.md, "Streamed,
+sharded loading" and "Streamed saving", says how; the same approach as
+levanter's and MaxText's sharded checkpoint loading (`jax.make_array_from_callback` over slices).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import math
+import mmap
 import os
 import re
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import IO, Any
 from urllib.parse import urlparse
 from urllib.request import url2pathname
@@ -34,11 +42,10 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
-import safetensors
-import safetensors.numpy
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from models import families, quant
+from models import families, quant, views
 from models.layers import Buffer, Embed, Linear, RMSNorm, hf_name
 from models.quant.formats import DequantizingCheckpoint
 
@@ -150,24 +157,33 @@ def read_safetensors_header(path: str, f: IO[bytes] | None = None,
 
 
 class SafetensorsCheckpoint(Mapping):
-    """Lazy {tensor name: np.ndarray} over a folder's model.safetensors or index + shards."""
+    """Lazy {tensor name: np.ndarray} over a folder's model.safetensors or index + shards, local or remote.
+
+    A local folder (a path or file://) is read through short-lived memory maps; any other URL (s3://) with ranged reads
+    through storage/ and never copied whole. `read(name, index)` reads only the bytes of one slice of a
+    tensor (what a device of a mesh holds), `view(name)` is a lazy view of it (models/views.py), and
+    `bytes_read` counts every byte read, headers included."""
 
     def __init__(self, folder: str):
         self.folder = folder
-        index_path = os.path.join(folder, INDEX_FILE)
-        if os.path.exists(index_path):
+        self.local = _local_path(folder)
+        self.bytes_read = 0
+        self._fds: dict[str, int] = {}
+        self._recent: tuple[str | None, dict[views.Index, np.ndarray]] = (None, {})
+        self._spans: dict[str, list[tuple[int, int, bytes]]] = {}  # remote spans read for the current variable
+        index_path = self._join(INDEX_FILE)
+        if self._exists(INDEX_FILE):
             try:
-                with open(index_path) as f:
-                    weight_map = json.load(f)["weight_map"]
-            except (OSError, ValueError, KeyError) as e:
+                weight_map = json.loads(self._read_all(INDEX_FILE))["weight_map"]
+            except (OSError, ValueError, KeyError, TypeError) as e:
                 raise ValueError(f"{index_path}: unreadable index ({type(e).__name__}: {e})") from None
             files = sorted(set(weight_map.values()))
-        elif os.path.exists(os.path.join(folder, SINGLE_FILE)):
+        elif self._exists(SINGLE_FILE):
             weight_map, files = None, [SINGLE_FILE]
         else:
             raise ValueError(f"{folder}: no {SINGLE_FILE} or {INDEX_FILE}")
         self.sharded = weight_map is not None
-        self.headers = {fn: read_safetensors_header(os.path.join(folder, fn)) for fn in files}
+        self.headers = {fn: self._header(fn) for fn in files}
         self.data_start = {fn: h.pop("__data_start__") for fn, h in self.headers.items()}
         self.file_of: dict[str, str] = {}
         for fn, header in self.headers.items():
@@ -176,14 +192,80 @@ class SafetensorsCheckpoint(Mapping):
         if weight_map is not None:
             for name, fn in weight_map.items():
                 if name not in self.headers[fn]:
-                    path = os.path.join(folder, fn)
-                    raise ValueError(f"{path}: missing tensor {name} (listed in {INDEX_FILE})")
+                    raise ValueError(f"{self._join(fn)}: missing tensor {name} (listed in {INDEX_FILE})")
+
+    # -- files, local or remote --
+
+    def _join(self, fn: str) -> str:
+        if self.local is not None:
+            return os.path.join(self.local, fn)
+        from storage import join
+
+        return join(self.folder, fn)
+
+    def _exists(self, fn: str) -> bool:
+        if self.local is not None:
+            return os.path.exists(self._join(fn))
+        from storage import exists
+
+        return exists(self._join(fn))
+
+    def _read_all(self, fn: str) -> bytes:
+        if self.local is not None:
+            with open(self._join(fn), "rb") as f:
+                return f.read()
+        from storage import read_bytes
+
+        return read_bytes(self._join(fn))
+
+    def _header(self, fn: str) -> dict[str, Any]:
+        path = self._join(fn)
+        if self.local is not None:
+            header = read_safetensors_header(path)
+        else:
+            import io
+
+            from storage import read_ranges, size_of
+
+            try:  # two ranged reads: the length, then the header itself
+                size = size_of(path)
+                head = read_ranges(path, [(0, min(8, size))])[0]
+                n = int.from_bytes(head, "little") if len(head) == 8 else 0
+                body = read_ranges(path, [(8, 8 + n)])[0] if 0 < n and 8 + n <= size else b""
+                header = read_safetensors_header(path, io.BytesIO(head + body), size)
+            except FileNotFoundError:
+                raise ValueError(f"{path}: missing (listed in {INDEX_FILE})") from None
+        self.bytes_read += header["__data_start__"]
+        return header
+
+    def _fd(self, fn: str) -> int:
+        if fn not in self._fds:
+            self._fds[fn] = os.open(self._join(fn), os.O_RDONLY)
+        return self._fds[fn]
+
+    def clear_cache(self) -> None:
+        """Forget the slices and spans kept for the variable just placed."""
+        self._recent, self._spans = (None, {}), {}
+
+    def close(self) -> None:
+        self.clear_cache()
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:  # noqa: S110 (interpreter shutdown)
+            pass
+
+    # -- tensors --
 
     def path_of(self, name: str) -> str:
         """The file holding `name`, or for a missing tensor the file that should have (the index)."""
         if name in self.file_of:
-            return os.path.join(self.folder, self.file_of[name])
-        return os.path.join(self.folder, INDEX_FILE if self.sharded else SINGLE_FILE)
+            return self._join(self.file_of[name])
+        return self._join(INDEX_FILE if self.sharded else SINGLE_FILE)
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self.headers[self.file_of[name]][name]["shape"])
@@ -192,23 +274,92 @@ class SafetensorsCheckpoint(Mapping):
         """The safetensors dtype tag of `name` ("BF16", "F8_E4M3", ...)."""
         return self.headers[self.file_of[name]][name]["dtype"]
 
-    def __getitem__(self, name: str) -> np.ndarray:
-        """Read one tensor straight from its validated byte range (bf16 and fp8 through ml_dtypes)."""
+    def view(self, name: str) -> views.View:
+        return views.Tensor(self, name, self.shape(name), NUMPY_DTYPES[self.dtype(name)])
+
+    def read(self, name: str, index: views.Index | None = None) -> np.ndarray:
+        """`tensor[index]` (one (start, stop) per dimension; None: all of it), reading only its bytes."""
         if name not in self.file_of:
             raise KeyError(name)
         fn = self.file_of[name]
         info = self.headers[fn][name]
-        begin, end = info["data_offsets"]
-        path = os.path.join(self.folder, fn)
+        shape, dtype = tuple(info["shape"]), np.dtype(NUMPY_DTYPES[info["dtype"]])
+        index = views.whole(shape) if index is None else tuple(index)
+        if self._recent[0] != name:  # the slices read of the tensor being placed, for devices that share one
+            self._recent = (name, {})
+        out = self._recent[1].get(index)
+        if out is None:
+            out = self._read(fn, name, info, shape, dtype, index)
+            out.flags.writeable = False  # shared with the next identical read
+            self._recent[1][index] = out
+        return out
+
+    def _read(self, fn: str, name: str, info: dict[str, Any], shape: tuple[int, ...], dtype: np.dtype,
+              index: views.Index) -> np.ndarray:
+        out_shape = [b - a for a, b in index]
+        out = np.empty(out_shape, dtype)
+        if out.size == 0:
+            return out
+        base = self.data_start[fn] + info["data_offsets"][0]
+        path = self._join(fn)
         try:
-            with open(path, "rb") as f:
-                f.seek(self.data_start[fn] + begin)
-                raw = f.read(end - begin)
+            if self.local is not None:
+                self._read_local(fn, base, shape, index, out)
+            else:
+                self._read_remote(path, base, shape, index, out)
         except OSError as e:
             raise ValueError(f"{path}: cannot read tensor {name} ({type(e).__name__}: {e})") from None
-        if len(raw) != end - begin:
-            raise ValueError(f"{path}: truncated safetensors: tensor {name} is cut short")
-        return np.frombuffer(raw, dtype=NUMPY_DTYPES[info["dtype"]]).reshape(info["shape"]).copy()
+        return out
+
+    def _read_local(self, fn: str, base: int, shape: tuple[int, ...], index: views.Index, out: np.ndarray) -> None:
+        """Copy the slice out of a memory map of just the bytes it spans: the kernel pages in what the copy
+        touches, and unmapping at once keeps those pages out of this process's memory afterwards."""
+        itemsize = out.dtype.itemsize
+        strides = [math.prod(shape[k + 1:]) * itemsize for k in range(len(shape))]
+        lo = base + sum(a * st for (a, _), st in zip(index, strides, strict=True))
+        hi = base + sum((b - 1) * st for (_, b), st in zip(index, strides, strict=True)) + itemsize
+        start = lo - lo % mmap.ALLOCATIONGRANULARITY
+        with mmap.mmap(self._fd(fn), hi - start, offset=start, access=mmap.ACCESS_READ) as mm:
+            region = np.ndarray(out.shape, out.dtype, buffer=mm, offset=lo - start, strides=strides)
+            out[...] = region
+            del region
+        self.bytes_read += out.nbytes
+
+    def _read_remote(self, url: str, base: int, shape: tuple[int, ...], index: views.Index, out: np.ndarray) -> None:
+        """One ranged GET of the span the slice lies in, kept until the variable being placed is done
+        (`clear_cache`): the other devices' slices of a column-sharded tensor come from the same span instead
+        of a request per row each."""
+        from storage import read_ranges
+
+        itemsize = out.dtype.itemsize
+        strides = [math.prod(shape[k + 1:]) * itemsize for k in range(len(shape))]
+        lo = base + sum(a * st for (a, _), st in zip(index, strides, strict=True))
+        hi = base + sum((b - 1) * st for (_, b), st in zip(index, strides, strict=True)) + itemsize
+        spans = self._spans.setdefault(url, [])
+        span = next((sp for sp in spans if sp[0] <= lo and hi <= sp[1]), None)
+        if span is None:
+            # the slice's whole rows (its range of the first dimension, everything else whole): the devices
+            # holding the other columns of those rows find them here, one request in all instead of one per
+            # row per device. A slice that takes every row reads the tensor once for all of them.
+            if shape:
+                first, last = base + index[0][0] * strides[0], base + index[0][1] * strides[0]
+            else:
+                first, last = base, base + itemsize
+            (data,) = read_ranges(url, [(first, last)])
+            if len(data) != last - first:
+                raise OSError(f"truncated: {len(data)} of {last - first} bytes at {first}")
+            self.bytes_read += len(data)
+            span = (first, last, data)
+            spans.append(span)
+        region = np.ndarray(out.shape, out.dtype, buffer=span[2], offset=lo - span[0], strides=strides)
+        out[...] = region
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        """Read one tensor straight from its validated byte range (bf16 and fp8 through ml_dtypes)."""
+        return self.read(name)
+
+    def __contains__(self, name: object) -> bool:  # Mapping's default would read the tensor
+        return name in self.file_of
 
     def __iter__(self):
         return iter(self.file_of)
@@ -224,7 +375,7 @@ class SafetensorsCheckpoint(Mapping):
 
 def _named_modules(model: nnx.Module) -> list[tuple[str, tuple, nnx.Module]]:
     """(HF prefix, nnx path, module) for every module that owns HF tensors, in natural name order:
-    Linear / Embed / RMSNorm, modules with their own `hf_export`/`hf_import` (their descendants are
+    Linear / Embed / RMSNorm, modules with their own `hf_export`/`hf_views` (their descendants are
     theirs), and modules listing raw parameters in `hf_raw`."""
     custom: list[tuple] = []
     mods = []
@@ -247,63 +398,164 @@ def _np(x: jax.Array, dtype: Any) -> np.ndarray:
     return np.ascontiguousarray(np.asarray(jnp.asarray(x).astype(dtype)))
 
 
-def state_to_hf(
+def hf_tensors(
     model: nnx.Module, *, dtype: Any = None, skip_quantized: bool = False
-) -> dict[str, np.ndarray]:
-    """HF-named float tensors ([out, in] for Linear). LoRA factors are folded in, int8 layers are
-    dequantized (or skipped with `skip_quantized`, for the compressed-tensors writer). What
-    transformers keeps in fp32 stays fp32 on disk whatever `dtype` is: buffers (DeepSeek's
-    e_score_correction_bias) and the sigmoid routers' weights (`keep_fp32`)."""
-    out: dict[str, np.ndarray] = {}
+) -> list[tuple[str, Callable[[], jax.Array]]]:
+    """Every HF tensor of `model` as (name, a function computing it on the devices), in natural name order,
+    so that a writer can plan the files from shapes alone (`jax.eval_shape`) and bring one tensor at a time
+    to the host. [out, in] for Linear; LoRA factors are folded in, int8 layers dequantized (or skipped with
+    `skip_quantized`, for the compressed-tensors writer). What transformers keeps in fp32 stays fp32 on disk
+    whatever `dtype` is: buffers (DeepSeek's e_score_correction_bias) and the sigmoid routers' weights."""
+    out: list[tuple[str, Callable[[], jax.Array]]] = []
 
-    def emit(name: str, value: Any, keep_dtype: bool = False) -> None:
-        value = jnp.asarray(value)
-        out[name] = _np(value, value.dtype if keep_dtype or dtype is None else dtype)
+    def emit(name: str, fn: Callable[[], Any], keep_dtype: bool = False) -> None:
+        def tensor() -> jax.Array:
+            value = jnp.asarray(fn())
+            return value if keep_dtype or dtype is None else value.astype(dtype)
+        out.append((name, tensor))
 
     for name, _, mod in _named_modules(model):
         if hasattr(mod, "hf_export"):
             if skip_quantized and getattr(mod, "quantized", False):
                 continue  # quantized experts: written by models/quant/
-            for suffix, value in mod.hf_export().items():
-                emit(f"{name}.{suffix}", value)
+            suffixes = list(jax.eval_shape(mod.hf_export))
+            exported = _Together(mod.hf_export, suffixes)  # one module's tensors are computed together
+            for suffix in suffixes:
+                emit(f"{name}.{suffix}", lambda _e=exported, _s=suffix: _e.take(_s))
             continue
         if isinstance(mod, Linear):
             if not (mod.qweight is not None and skip_quantized):
-                emit(f"{name}.weight", mod.weight().T)  # [out, in]
+                emit(f"{name}.weight", lambda _m=mod: _m.weight().T)  # [out, in]
                 if mod.bias is not None:
-                    emit(f"{name}.bias", mod.bias[...])
+                    emit(f"{name}.bias", lambda _m=mod: _m.bias[...])
         elif isinstance(mod, (Embed, RMSNorm)):
-            emit(f"{name}.weight", mod.weight[...])
+            emit(f"{name}.weight", lambda _m=mod: _m.weight[...])
         for attr in getattr(mod, "hf_raw", ()):
             var = getattr(mod, attr)
             if var is not None:
-                emit(f"{name}.{attr}", var[...], keep_dtype=isinstance(var, Buffer) or getattr(mod, "keep_fp32", False))
+                emit(f"{name}.{attr}", lambda _v=var: _v[...],
+                     keep_dtype=isinstance(var, Buffer) or getattr(mod, "keep_fp32", False))
     extra = getattr(model, "hf_extra_export", None)
     if extra is not None:
-        for name, value in extra().items():
-            emit(name, value)
+        names = list(jax.eval_shape(extra))
+        computed = _Together(extra, names)
+        for name in names:
+            emit(name, lambda _c=computed, _n=name: _c.take(_n))
     return out
+
+
+class _Together:
+    """A function returning a dict, called at the first `take` and its result dropped after the last key."""
+
+    def __init__(self, fn: Callable[[], dict[str, Any]], keys: list[str]):
+        self.fn, self.left, self.value = fn, set(keys), None
+
+    def take(self, key: str) -> Any:
+        if self.value is None:
+            self.value = self.fn()
+        value = self.value[key]
+        self.left.discard(key)
+        if not self.left:
+            self.value = None
+        return value
+
+
+def to_host(x: jax.Array) -> np.ndarray:
+    """All of `x` on this host: a copy of the local array, or, when other processes hold parts of it, the
+    whole tensor gathered from them (every process takes part)."""
+    if getattr(x, "is_fully_addressable", True):
+        return np.ascontiguousarray(np.asarray(x))
+    if x.is_fully_replicated:  # every process has all of it already
+        return np.ascontiguousarray(np.asarray(x.addressable_data(0)))
+    from jax.experimental import multihost_utils
+
+    return np.ascontiguousarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def state_to_hf(
+    model: nnx.Module, *, dtype: Any = None, skip_quantized: bool = False
+) -> dict[str, np.ndarray]:
+    """HF-named host tensors of the whole model at once (tests, small models); `hf_tensors` streams them."""
+    return {name: to_host(fn()) for name, fn in hf_tensors(model, dtype=dtype, skip_quantized=skip_quantized)}
 
 
 MAX_LISTED = 12  # names per category in a mismatch error
 
 
+Placer = Callable[[nnx.Variable, views.View], None]
+
+
+def place_whole(var: nnx.Variable, view: views.View) -> None:
+    """Give `var` all of `view`, on the default device (a model nobody shards)."""
+    var.set_value(jnp.asarray(view.full(), dtype=var.get_value().dtype))
+
+
+def sharded_placer(mesh: Mesh, rules: Mapping[str, Any] | None = None) -> Placer:
+    """Give each variable its sharding from its logical axes (models/sharding.py), reading from its view only
+    the slices this process's devices hold, each once (`jax.make_array_from_callback` asks per device)."""
+    from models.sharding import RULES, named_sharding
+
+    rules = RULES if rules is None else rules
+
+    def place(var: nnx.Variable, view: views.View) -> None:
+        names = var.get_metadata().get("out_sharding")
+        names = tuple(names) if names else (None,) * len(view.shape)
+        sharding = named_sharding(mesh, names, rules, view.shape)
+        dtype = np.dtype(var.get_value().dtype)
+        if isinstance(view, views.Permuted):  # read in the checkpoint's order; permute on the devices
+            spec = tuple(sharding.spec) + (None,) * (len(view.shape) - len(sharding.spec))
+            inner = [None] * len(view.axes)
+            for k, a in enumerate(view.axes):
+                inner[a] = spec[k]
+            raw = _from_view(view.base, NamedSharding(mesh, PartitionSpec(*inner)), dtype)
+            var.set_value(_permute(view.axes, sharding)(raw))
+        else:
+            var.set_value(_from_view(view, sharding, dtype))
+
+    return place
+
+
+def _from_view(view: views.View, sharding: Any, dtype: np.dtype) -> jax.Array:
+    """The array `view` describes, laid out by `sharding`; each distinct local slice read once."""
+    slices: dict[views.Index, np.ndarray] = {}
+
+    def local_slice(index: Any) -> np.ndarray:
+        key = views.normalize(index, view.shape)
+        if key not in slices:
+            slices[key] = np.asarray(view.read(key), dtype)
+        return slices[key]
+
+    return jax.make_array_from_callback(view.shape, sharding, local_slice)
+
+
+@functools.lru_cache(maxsize=64)
+def _permute(axes: tuple[int, ...], sharding: Any) -> Callable[[jax.Array], jax.Array]:
+    return jax.jit(lambda x: jnp.transpose(x, axes), out_shardings=sharding)
+
+
 def hf_to_state(
-    model: nnx.Module, tensors: Mapping[str, np.ndarray], *, source: str = "<tensors>"
+    model: nnx.Module, tensors: Mapping[str, np.ndarray], *, source: str = "<tensors>", place: Placer = place_whole,
+    loaded: Callable[[nnx.Module], None] | None = None,
 ) -> nnx.State:
     """Fill `model`'s variables in place from HF-named `tensors` (works on an `nnx.eval_shape`
     model) and return its state.
+
+    Every variable is described as a lazy view of the tensors (models/views.py: a Linear's kernel is its HF
+    weight transposed, stacked experts are a stack of per-expert views) and handed to `place`: all of it on
+    one device (`place_whole`), or only this process's slices on a mesh (`sharded_placer`). Modules read
+    by code of their own (compressed-tensors quantized layers) load whole, then `loaded(module)` runs.
 
     Every missing, unexpected and mis-shaped tensor is collected and reported in one ValueError
     naming the file (or folder). A model may accept extra names through `hf_accepts(name)` (e.g.
     MTP copies of the embeddings).
     """
     where = getattr(tensors, "path_of", lambda _: source)
+    lazy = getattr(tensors, "view", None)
     used: set[str] = set()
     missing: list[str] = []
     misshaped: list[str] = []
 
-    def get(name: str, shape: tuple[int, ...]) -> np.ndarray | None:
+    def get(name: str, shape: tuple[int, ...]) -> views.View | None:
         if name not in tensors:
             missing.append(name)
             return None
@@ -312,30 +564,42 @@ def hf_to_state(
         if len(have) != len(shape) or any(s not in (-1, h) for s, h in zip(shape, have, strict=False)):
             misshaped.append(f"{name} {list(have)} (expected {list(shape)})")
             return None
-        return tensors[name]
+        return lazy(name) if lazy is not None else views.Array(tensors[name])
 
-    def put(var: nnx.Variable, arr: np.ndarray | None) -> None:
-        if arr is not None:
-            var.set_value(jnp.asarray(arr, dtype=var.get_value().dtype))
+    def get_array(name: str, shape: tuple[int, ...]) -> np.ndarray | None:
+        view = get(name, shape)
+        return None if view is None else view.full()
+
+    clear = getattr(tensors, "clear_cache", lambda: None)
+
+    def put(var: nnx.Variable, view: views.View | None) -> None:
+        if view is not None:
+            place(var, view)
+            clear()
 
     for name, _, mod in _named_modules(model):
-        if hasattr(mod, "hf_import"):
-            scoped = lambda suffix, shape, _n=name: get(f"{_n}.{suffix}", shape)  # noqa: E731
+        if hasattr(mod, "hf_views"):
             if getattr(mod, "quantized", False):
-                quant.load_experts(scoped, mod, model.quant_scheme)
+                quant.load_experts(lambda suffix, shape, _n=name: get_array(f"{_n}.{suffix}", shape), mod,
+                                   model.quant_scheme)
+                if loaded is not None:
+                    loaded(mod)
             else:
-                mod.hf_import(scoped)
+                for attr, view in mod.hf_views(lambda suffix, shape, _n=name: get(f"{_n}.{suffix}", shape)).items():
+                    put(getattr(mod, attr), view)
             continue
         if isinstance(mod, Linear):
             i, o = mod.in_features, mod.out_features
             if mod.qweight is not None:
                 try:
-                    quant.load_linear(get, name, mod, model.quant_scheme)
+                    quant.load_linear(get_array, name, mod, model.quant_scheme)
                 except ValueError as e:
                     misshaped.append(str(e))
+                if loaded is not None:
+                    loaded(mod)
             else:
                 w = get(f"{name}.weight", (o, i))
-                put(mod.kernel, None if w is None else np.asarray(w).T)
+                put(mod.kernel, None if w is None else w.T)  # [in, out]
             if mod.bias is not None:
                 put(mod.bias, get(f"{name}.bias", (o,)))
         elif isinstance(mod, (Embed, RMSNorm)):
@@ -368,33 +632,53 @@ def hf_to_state(
 
 
 def load_config(folder: str) -> dict[str, Any]:
-    path = os.path.join(folder, "config.json")
+    """config.json of a local folder or a URL."""
+    local = _local_path(folder)
+    if local is not None:
+        path = os.path.join(local, "config.json")
+        try:
+            with open(path) as f:
+                return json.load(f)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"{path}: cannot read config ({type(e).__name__}: {e})") from None
+    from storage import join, read_bytes
+
+    path = join(folder, "config.json")
     try:
-        with open(path) as f:
-            return json.load(f)
+        return json.loads(read_bytes(path))
     except (OSError, ValueError) as e:
         raise ValueError(f"{path}: cannot read config ({type(e).__name__}: {e})") from None
 
 
-def from_pretrained(path_or_url: str, *, dtype: Any = jnp.float32) -> nnx.Module:
+def from_pretrained(path_or_url: str, *, dtype: Any = jnp.float32, mesh: Mesh | None = None,
+                    rules: Mapping[str, Any] | None = None, stats: dict[str, Any] | None = None) -> nnx.Module:
     """Build the model named by config.json `architectures` and load its safetensors weights.
 
-    Parameters and activations use `dtype`. Published quantized checkpoints are dequantized on load
-    (DeepSeek FP8 block weights, GPT-OSS MXFP4 experts; models/quant/formats/); a compressed-tensors
-    checkpoint (int4/int8 pack-quantized, FP8 blocks; as `save_pretrained` writes a models/quant/ model)
-    loads quantized, dequantizing in the forward.
+    Parameters and activations use `dtype`. The model is built abstractly (`nnx.eval_shape`, nothing
+    allocated) and each tensor is read straight into place: without `mesh` whole onto the default device;
+    with one, sharded by its logical axes (`rules`, default models/sharding.py: RULES), each process reading
+    only the byte ranges of the slices its own devices hold. Local folders are read in place (`pread`),
+    remote ones (s3://) with ranged reads, never copied whole. Peak host memory stays near the process's
+    share of the model plus one slice.
+
+    Published quantized checkpoints are dequantized on load (DeepSeek FP8 block weights, GPT-OSS MXFP4
+    experts; models/quant/formats/), slice by slice; a compressed-tensors checkpoint (int4/int8
+    pack-quantized, FP8 blocks; as `save_pretrained` writes a models/quant/ model) loads quantized,
+    dequantizing in the forward, one module at a time. `stats`, when given, receives `bytes_read`.
     """
-    with readable_dir(path_or_url) as folder:
-        config_path = os.path.join(folder, "config.json")
-        cfg_dict = load_config(folder)
-        config_cls, model_cls = families.resolve(cfg_dict, config_path)
-        try:
-            config = config_cls.from_hf(cfg_dict)
-        except KeyError as e:
-            raise ValueError(f"{config_path}: missing key {e.args[0]!r}") from None
-        except (TypeError, ZeroDivisionError) as e:
-            raise ValueError(f"{config_path}: malformed config ({type(e).__name__}: {e})") from None
-        tensors: Mapping[str, np.ndarray] = SafetensorsCheckpoint(folder)
+    local = _local_path(path_or_url)
+    config_path = os.path.join(local, "config.json") if local is not None else f"{path_or_url.rstrip('/')}/config.json"
+    cfg_dict = load_config(path_or_url)
+    config_cls, model_cls = families.resolve(cfg_dict, config_path)
+    try:
+        config = config_cls.from_hf(cfg_dict)
+    except KeyError as e:
+        raise ValueError(f"{config_path}: missing key {e.args[0]!r}") from None
+    except (TypeError, ZeroDivisionError) as e:
+        raise ValueError(f"{config_path}: malformed config ({type(e).__name__}: {e})") from None
+    checkpoint = SafetensorsCheckpoint(path_or_url)
+    tensors: Mapping[str, np.ndarray] = checkpoint
+    try:
         for_checkpoint = getattr(config, "for_checkpoint", None)
         if for_checkpoint is not None:  # e.g. how many MTP layers the files actually hold
             config = for_checkpoint(set(tensors))
@@ -409,21 +693,53 @@ def from_pretrained(path_or_url: str, *, dtype: Any = jnp.float32) -> nnx.Module
             tensors = DequantizingCheckpoint(tensors)
         elif qcfg:
             quant.prepare_for_load(model, quant.read_scheme(qcfg, config_path), set(tensors))
-        hf_to_state(model, tensors, source=folder)
+        if mesh is None:
+            hf_to_state(model, tensors, source=local or path_or_url)
+        else:
+            from models.sharding import shard_model
+
+            hf_to_state(model, tensors, source=local or path_or_url, place=sharded_placer(mesh, rules),
+                        loaded=lambda module: shard_model(module, mesh, *(() if rules is None else (rules,))))
+        if stats is not None:
+            stats["bytes_read"] = checkpoint.bytes_read  # how much of the checkpoint this process read
+    finally:
+        checkpoint.close()
     return model
 
 
-def _shards(tensors: dict[str, np.ndarray], max_shard_bytes: int) -> list[dict[str, np.ndarray]]:
-    shards: list[dict[str, np.ndarray]] = [{}]
-    size = 0
-    for name in sorted(tensors, key=_natural_key):
-        nbytes = tensors[name].nbytes
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = tensors[name]
-        size += nbytes
-    return shards
+SAFETENSORS_TAGS = {np.dtype(v): k for k, v in NUMPY_DTYPES.items()}
+
+
+class SafetensorsWriter:
+    """A safetensors file written one tensor at a time: the header (every name, dtype, shape and offset) is
+    known up front from the tensors' abstract shapes, so the data follows in order and at most one tensor
+    is on the host. Same format as safetensors' own writer (header padded to 8 bytes with spaces)."""
+
+    def __init__(self, path: str, entries: list[tuple[str, tuple[int, ...], np.dtype]], metadata: dict[str, str]):
+        header: dict[str, Any] = {"__metadata__": metadata}
+        offset = 0
+        for name, shape, dtype in entries:
+            n = math.prod(shape) * np.dtype(dtype).itemsize
+            header[name] = {"dtype": SAFETENSORS_TAGS[np.dtype(dtype)], "shape": list(shape),
+                            "data_offsets": [offset, offset + n]}
+            offset += n
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
+        self.path, self.pending = path, list(entries)
+        self.f = open(path, "wb")  # noqa: SIM115 (closed by close())
+        self.f.write(len(raw).to_bytes(8, "little") + raw)
+
+    def write(self, name: str, array: np.ndarray) -> None:
+        want_name, shape, dtype = self.pending.pop(0)
+        if (name, tuple(array.shape), np.dtype(array.dtype)) != (want_name, tuple(shape), np.dtype(dtype)):
+            raise ValueError(f"{self.path}: expected {want_name} {dtype}{list(shape)}, got {name} "
+                             f"{array.dtype}{list(array.shape)}")
+        self.f.write(memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8)))
+
+    def close(self) -> None:
+        self.f.close()
+        if self.pending:
+            raise ValueError(f"{self.path}: {len(self.pending)} tensors never written ({self.pending[0][0]} ...)")
 
 
 def save_pretrained(
@@ -437,12 +753,16 @@ def save_pretrained(
     model.safetensors.index.json. A tied model omits lm_head.weight; LoRA factors are merged into
     the written weights; a quantized model (models/quant/) is written in compressed-tensors
     (`pack-quantized` int, `float-quantized` FP8) or, for FP8 blocks, `layout="deepseek-fp8"`.
+
+    The files are planned from abstract shapes, then every tensor is computed on the devices, brought to
+    the host alone (`to_host`) and streamed into its file (`SafetensorsWriter`), so the host never holds
+    more than one tensor of the model at once.
     """
     dtype = jnp.dtype(dtype or getattr(model, "param_dtype", jnp.float32))
     if dtype not in DTYPE_NAMES:
         raise ValueError(f"unsupported save dtype {dtype}")
     quantized = quant.is_quantized(model)
-    tensors = state_to_hf(model, dtype=dtype, skip_quantized=quantized)
+    entries = hf_tensors(model, dtype=dtype, skip_quantized=quantized)
     config = model.config.to_hf(DTYPE_NAMES[dtype])
     if quantized:
         if layout == "deepseek-fp8":
@@ -454,32 +774,49 @@ def save_pretrained(
                                                             getattr(model, "quant_ignore", ()))
         else:
             raise ValueError(f"unknown quantized layout {layout!r} (compressed-tensors, deepseek-fp8)")
-        tensors.update(qtensors)
+        entries += [(name, lambda _a=array: _a) for name, array in qtensors.items()]
         config["quantization_config"] = qconfig
-    shards = _shards(tensors, max_shard_bytes)
+    entries.sort(key=lambda e: _natural_key(e[0]))
+    shapes = {name: jax.eval_shape(fn) for name, fn in entries}
+    files = _plan_files([(name, shapes[name]) for name, _ in entries], max_shard_bytes)
     cfg = model.config
     eos = list(cfg.eos_token_id) if isinstance(cfg.eos_token_id, tuple) else cfg.eos_token_id
     gen = {"_from_model_config": True, "bos_token_id": cfg.bos_token_id, "eos_token_id": eos,
            "pad_token_id": cfg.pad_token_id}
     gen = {k: v for k, v in gen.items() if v is not None}
-    meta = {"format": "pt"}
+    compute = dict(entries)
     with writable_dir(path_or_url) as folder:
         for fn in os.listdir(folder):  # stale weights from an earlier save would confuse loaders
             if re.fullmatch(r"model(-\d+-of-\d+)?\.safetensors(\.index\.json)?", fn):
                 os.remove(os.path.join(folder, fn))
-        if len(shards) == 1:
-            safetensors.numpy.save_file(shards[0], os.path.join(folder, SINGLE_FILE), metadata=meta)
-        else:
-            weight_map = {}
-            for i, shard in enumerate(shards):
-                fn = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-                safetensors.numpy.save_file(shard, os.path.join(folder, fn), metadata=meta)
-                weight_map.update({name: fn for name in shard})
-            total = sum(t.nbytes for t in tensors.values())
-            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        for fn, names in files:
+            writer = SafetensorsWriter(os.path.join(folder, fn), [
+                (n, tuple(shapes[n].shape), np.dtype(shapes[n].dtype)) for n in names], {"format": "pt"})
+            for name in names:
+                writer.write(name, to_host(compute[name]()))
+            writer.close()
+        if len(files) > 1:
+            total = sum(math.prod(s.shape) * np.dtype(s.dtype).itemsize for s in shapes.values())
+            index = {"metadata": {"total_size": total}, "weight_map": {n: fn for fn, names in files for n in names}}
             _write_json(os.path.join(folder, INDEX_FILE), index)
         _write_json(os.path.join(folder, "config.json"), config)
         _write_json(os.path.join(folder, "generation_config.json"), gen)
+
+
+def _plan_files(shapes: list[tuple[str, Any]], max_shard_bytes: int) -> list[tuple[str, list[str]]]:
+    """Tensors (in order) grouped into files of at most `max_shard_bytes` (a larger tensor alone)."""
+    groups: list[list[str]] = [[]]
+    size = 0
+    for name, s in shapes:
+        nbytes = math.prod(s.shape) * np.dtype(s.dtype).itemsize
+        if groups[-1] and size + nbytes > max_shard_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(name)
+        size += nbytes
+    if len(groups) == 1:
+        return [(SINGLE_FILE, groups[0])]
+    return [(f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors", g) for i, g in enumerate(groups)]
 
 
 def _write_json(path: str, obj: Any) -> None:

@@ -215,6 +215,8 @@ def lora_state_to_peft(
     def as_param(name: str) -> bool:  # a Linear peft would remap onto fused experts: target its weight
         return moe_base and name.rsplit(".", 1)[-1] in PEFT_V5_MOE_RENAMED
 
+    from models.hf import to_host  # whole on this host (a gathered multi-host model: its local copy)
+
     tensors: dict[str, np.ndarray] = {}
     chosen_modules: set[str] = set()
     chosen_params: set[str] = set()
@@ -222,21 +224,21 @@ def lora_state_to_peft(
         name = hf_name(path)
         key = f"base_model.model.{name}"
         if isinstance(m, Linear):
-            tensors[f"{key}.lora_A.weight"] = np.ascontiguousarray(np.asarray(m.lora_a[...]).T)  # [r, in]
-            tensors[f"{key}.lora_B.weight"] = np.ascontiguousarray(np.asarray(m.lora_b[...]).T)  # [out, r]
+            tensors[f"{key}.lora_A.weight"] = np.ascontiguousarray(to_host(m.lora_a[...]).T)  # [r, in]
+            tensors[f"{key}.lora_B.weight"] = np.ascontiguousarray(to_host(m.lora_b[...]).T)  # [out, r]
             if as_param(name):
                 chosen_params.add(f"{name}.weight")
             else:
                 chosen_modules.add(name)
             continue
-        b_gu = np.asarray(m.gate_up_lora_b[...])  # [E, r, 2I]
+        b_gu = to_host(m.gate_up_lora_b[...])  # [E, r, 2I]
         if m.hf_layout == "gpt_oss":  # gate / up interleaved on the output axis
             I = m.intermediate_size
             b_gu = np.stack([b_gu[..., :I], b_gu[..., I:]], axis=-1).reshape(b_gu.shape)
         # gate_up_proj's ParamWrapper is the inner one (base_layer), down_proj's the outer
-        a, b = _expert_factors(np.asarray(m.gate_up_lora_a[...]), b_gu)
+        a, b = _expert_factors(to_host(m.gate_up_lora_a[...]), b_gu)
         tensors[f"{key}.base_layer.lora_A.weight"], tensors[f"{key}.base_layer.lora_B.weight"] = a, b
-        a, b = _expert_factors(np.asarray(m.down_lora_a[...]), np.asarray(m.down_lora_b[...]))
+        a, b = _expert_factors(to_host(m.down_lora_a[...]), to_host(m.down_lora_b[...]))
         tensors[f"{key}.lora_A.weight"], tensors[f"{key}.lora_B.weight"] = a, b
         chosen_params.update({f"{name}.gate_up_proj", f"{name}.down_proj"})
 

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from models import views
 from models.layers import INIT_STD, MLP, Buffer, dequantize, param
 
 # ------------------------------------------------------------------------------------------------
@@ -442,36 +443,30 @@ class Experts(nnx.Module):
             out[f"{e}.down_proj.weight"] = down[e].T  # [D, I]
         return out
 
-    def hf_import(self, get: Callable[[str, tuple[int, ...]], np.ndarray | None]) -> None:
+    def hf_views(self, get: Callable[[str, tuple[int, ...]], views.View | None]) -> dict[str, views.View | None]:
+        """How each stacked variable is made of transformers' tensors, as lazy views (models/views.py), so a
+        device holding experts [e0, e1) reads only theirs: per-expert `{e}.gate_proj/up_proj/down_proj.weight`
+        ([I, D], [I, D], [D, I]) stacked and transposed, or GPT-OSS's stacked `gate_up_proj` [E, D, 2I] with
+        gate and up interleaved on the last axis."""
         E, D, I = self.num_experts, self.hidden_size, self.intermediate_size
 
-        def put(var: nnx.Variable, arr: np.ndarray | None) -> None:
-            if arr is not None:
-                var.set_value(jnp.asarray(arr, dtype=var.get_value().dtype))
+        def split(v: views.View | None) -> views.View | None:  # gate even, up odd -> [gate | up]
+            return None if v is None else views.Deinterleaved(v)
 
         if self.hf_layout == "gpt_oss":
-            gu = get("gate_up_proj", (E, D, 2 * I))
-            put(self.gate_up, None if gu is None else np.concatenate([gu[..., 0::2], gu[..., 1::2]], axis=-1))
-            put(self.down, get("down_proj", (E, I, D)))
+            out = {"gate_up": split(get("gate_up_proj", (E, D, 2 * I))), "down": get("down_proj", (E, I, D))}
             if self.gate_up_bias is not None:
-                b = get("gate_up_proj_bias", (E, 2 * I))
-                put(self.gate_up_bias, None if b is None else np.concatenate([b[..., 0::2], b[..., 1::2]], -1))
-                put(self.down_bias, get("down_proj_bias", (E, D)))
-            return
-        gate_up = np.zeros((E, D, 2 * I), np.float32)
-        down = np.zeros((E, I, D), np.float32)
-        complete = True
-        for e in range(E):
-            g, u, d = (get(f"{e}.{n}.weight", s) for n, s in
-                       (("gate_proj", (I, D)), ("up_proj", (I, D)), ("down_proj", (D, I))))
-            if g is None or u is None or d is None:
-                complete = False
-                continue
-            gate_up[e, :, :I], gate_up[e, :, I:], down[e] = np.asarray(g, np.float32).T, \
-                np.asarray(u, np.float32).T, np.asarray(d, np.float32).T
-        if complete:
-            put(self.gate_up, gate_up)
-            put(self.down, down)
+                out["gate_up_bias"] = split(get("gate_up_proj_bias", (E, 2 * I)))
+                out["down_bias"] = get("down_proj_bias", (E, D))
+            return out
+        parts = [[get(f"{e}.{n}.weight", s) for n, s in (("gate_proj", (I, D)), ("up_proj", (I, D)),
+                                                         ("down_proj", (D, I)))] for e in range(E)]
+        if any(p is None for trio in parts for p in trio):
+            return {}  # `get` has recorded what is missing or mis-shaped
+        # stack the HF tensors as they are, then one permutation: the loader applies it on the devices
+        gate, up, down = (views.Stacked([trio[k] for trio in parts]) for k in range(3))  # [E, I, D], [E, D, I]
+        return {"gate_up": views.Permuted(views.Concat([gate, up], axis=1), (0, 2, 1)),
+                "down": views.Permuted(down, (0, 2, 1))}
 
 
 # ------------------------------------------------------------------------------------------------

@@ -30,7 +30,7 @@ from tasks.training.checkpoints import Checkpoints
 from tasks.training.distributed import is_primary
 from tasks.training.loop import Progress, fit
 from tasks.training.save import save_model_dir
-from tasks.training.trainer import Trainer
+from tasks.training.trainer import Trainer, mesh_from_config, mesh_rules
 
 log = logging.getLogger("forgeline.finetune")
 
@@ -45,19 +45,21 @@ def finetune(
     progress: Progress | None = None,
     base_name: str = "base",
 ) -> dict[str, Any]:
-    model = models.from_pretrained(str(base_dir), dtype=jnp.float32)
+    mesh = mesh_from_config(cfg.train.mesh)
+    # streamed onto the mesh: each process reads only the slices its devices hold (models/hf.py)
+    model = models.from_pretrained(str(base_dir), dtype=jnp.float32, mesh=mesh, rules=mesh_rules(cfg.train.mesh))
     if cfg.mode == "lora":
         lora.apply_lora(model, rank=cfg.lora_rank, alpha=cfg.lora_alpha, targets=cfg.lora_targets,
                         dropout=cfg.lora_dropout, rngs=nnx.Rngs(cfg.train.seed))
-        trainer = Trainer(model, cfg.train, trainable=nnx.LoRAParam)
+        trainer = Trainer(model, cfg.train, trainable=nnx.LoRAParam, mesh=mesh)
     else:
-        trainer = Trainer(model, cfg.train, trainable=nnx.Param)
+        trainer = Trainer(model, cfg.train, trainable=nnx.Param, mesh=mesh)
     n_trainable = sum(x.size for x in jax.tree.leaves(trainer.params))
     log.info("finetune[%s]: %d trainable parameters", cfg.mode, n_trainable)
     metrics = fit(trainer, data_dir, checkpoints=checkpoints, progress=progress, label=f"finetune[{cfg.mode}]",
                   logdir=out_dir / "tensorboard")
     model = trainer.model()
-    if is_primary():  # multi-host: every process holds the gathered model; one writes it
+    if is_primary():  # multi-host: every process holds the gathered model; one writes it, a tensor at a time
         if cfg.mode == "lora":
             lora.save_peft_adapter(model, str(out_dir / "adapter"), base_model_name_or_path=base_name)
             lora.merge_lora(model)

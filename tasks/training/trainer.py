@@ -30,7 +30,7 @@ def mesh_from_config(cfg: MeshConfig) -> Mesh:
     return make_mesh(data=cfg.data, fsdp=cfg.fsdp, tensor=cfg.tensor, expert=cfg.expert)
 
 
-def _rules(cfg: MeshConfig) -> dict[str, Any]:
+def mesh_rules(cfg: MeshConfig) -> dict[str, Any]:
     unknown = set(cfg.rules) - set(RULES)
     if unknown:
         raise ValueError(f"train.mesh.rules: unknown logical axes {sorted(unknown)} (known: {sorted(RULES)})")
@@ -79,7 +79,7 @@ class Trainer:
                  loss_fn: LossFn = xent_sum_and_aux, eval_fn: EvalFn = xent_sum):
         self.cfg = cfg
         self.mesh = mesh if mesh is not None else mesh_from_config(cfg.mesh)
-        self.rules = _rules(cfg.mesh)
+        self.rules = mesh_rules(cfg.mesh)
         self.config = getattr(model, "config", None)
         self.lora = trainable is nnx.LoRAParam
         if cfg.compute_dtype == "bfloat16":

@@ -17,7 +17,7 @@ MODULES = sorted(m.name for m in pkgutil.iter_modules(benchmarks.__path__))
 
 
 def test_every_benchmark_is_here():
-    assert {"moe", "parity", "quant", "run", "speculative", "train"} <= set(MODULES)
+    assert {"load", "moe", "parity", "quant", "run", "speculative", "train"} <= set(MODULES)
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -16,6 +16,7 @@ from collections.abc import Iterator, Mapping
 
 import numpy as np
 
+from models import views
 from models.quant.formats.deepseek_fp8 import SCALE_INV_SUFFIX, dequant_fp8_block
 from models.quant.formats.mxfp4 import dequant_mxfp4
 
@@ -43,6 +44,7 @@ class DequantizingCheckpoint(Mapping):
                 self.mxfp4[logical] = (name, logical + "_scales")
         hidden = set(self.fp8.values()) | {n for pair in self.mxfp4.values() for n in pair}
         self.names = sorted((names - hidden) | set(self.mxfp4))
+        self._known = set(self.names)
 
     @property
     def quantized(self) -> bool:
@@ -77,6 +79,19 @@ class DequantizingCheckpoint(Mapping):
         if name not in self.names:
             raise KeyError(name)
         return self.base[name]
+
+    def __contains__(self, name: object) -> bool:  # Mapping's default would read (and dequantise) it
+        return name in self._known
+
+    def clear_cache(self) -> None:
+        getattr(self.base, "clear_cache", lambda: None)()
+
+    def view(self, name: str) -> views.View:
+        """A lazy view: a plain tensor's own (slices read alone); a quantised one dequantised whole on first
+        read, then sliced."""
+        if name not in self.fp8 and name not in self.mxfp4 and hasattr(self.base, "view"):
+            return self.base.view(name)
+        return views.Computed(lambda: self[name], self.shape(name), np.float32)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.names)
