@@ -24,7 +24,6 @@ import json
 import os
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 
@@ -66,16 +65,6 @@ def write_checkpoint(folder: Path, gb: float) -> int:
     return (folder / "model.safetensors").stat().st_size
 
 
-def _best(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return min(times)
-
-
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m benchmarks.load", description=__doc__.splitlines()[0])
     p.add_argument("--gb", type=float, default=1.0, help="checkpoint size (GB)")
@@ -87,6 +76,7 @@ def main(argv: list[str] | None = None) -> None:
     import jax.numpy as jnp
 
     import models
+    from benchmarks.run import _best
     from models.sharding import make_mesh
 
     devices = jax.devices()

@@ -100,7 +100,7 @@ def gang_runner(hosts: int, *, per_process_env: list[dict[str, str]] | None = No
     """A `Runner` (tasks/registry.py) that computes the stage as `hosts` processes of one JAX job on this
     machine; their lines go to the `forgeline.gang` log tagged `[p<i>]`, process 0's training progress to
     the stage's `progress`."""
-    from tasks.member import PROGRESS_PREFIX
+    from tasks.member import line_router
 
     def run(spec: Stage, cfg: BaseModel, ctx: StageContext, progress: Progress | None) -> dict[str, Any]:
         tmp = Path(tempfile.mkdtemp(prefix=f"{spec.name}-gang-", dir=work_root()))
@@ -109,16 +109,7 @@ def gang_runner(hosts: int, *, per_process_env: list[dict[str, str]] | None = No
                   "refs": {k: r.to_dict() for k, r in ctx.refs.items()}, "out": str(ctx.out_dir),
                   "stats": str(tmp / "stats.json")}
         (tmp / "member.json").write_text(json.dumps(member))
-        gang_log = logging.getLogger("forgeline.gang")
-
-        def on_line(i: int, line: str) -> None:
-            if line.startswith(PROGRESS_PREFIX):
-                if progress is not None and i == 0:
-                    p = json.loads(line[len(PROGRESS_PREFIX):])
-                    progress(p["step"], p["total"], p["metrics"])
-                return
-            gang_log.info("[p%d] %s", i, line)
-
+        on_line = line_router(progress, logging.getLogger("forgeline.gang"))
         try:
             run_gang([sys.executable, "-m", "tasks.member", str(tmp / "member.json")], hosts, on_line=on_line,
                      per_process_env=per_process_env, timeout=timeout)

@@ -318,7 +318,7 @@ def _exit_code(pod: Any) -> int | None:
 def jobset_runner(resources: StageResources, k8s: KubernetesGangConfig, timeout_s: int, *,
                   finish_grace: float = 60.0, poll: float = 2.0) -> Runner:
     """A `Runner` (tasks/registry.py) that computes the stage as a JobSet of `resources.hosts` pods."""
-    from tasks.member import PROGRESS_PREFIX
+    from tasks.member import line_router
 
     def run(spec: Stage, cfg: BaseModel, ctx: StageContext, progress: Progress | None) -> dict[str, Any]:
         name = jobset_name(spec.name, ctx.fingerprint, uuid.uuid4().hex)
@@ -331,14 +331,7 @@ def jobset_runner(resources: StageResources, k8s: KubernetesGangConfig, timeout_
         body = render(name, spec.name, ctx.fingerprint, spec_url, resources, k8s, timeout_s=timeout_s,
                       trains=spec.trains)
 
-        def on_line(i: int, line: str) -> None:
-            if line.startswith(PROGRESS_PREFIX):
-                if progress is not None and i == 0:
-                    p = json.loads(line[len(PROGRESS_PREFIX):])
-                    progress(p["step"], p["total"], p["metrics"])
-                return
-            log.info("[p%d] %s", i, line)
-
+        on_line = line_router(progress, log)
         try:
             KubeGang(namespace_of(k8s), poll=poll, finish_grace=finish_grace).run(body, on_line, timeout_s)
             shutil.rmtree(ctx.out_dir, ignore_errors=True)

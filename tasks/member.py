@@ -55,6 +55,21 @@ def _progress(step: int, total: int, metrics: dict[str, float]) -> None:
           flush=True)
 
 
+def line_router(progress: Any, log: logging.Logger) -> Any:
+    """The launcher's side of a gang's output: `on_line(i, line)` turns process 0's `@progress` lines into
+    calls of `progress(step, total, metrics)` and logs every other line tagged with its process, `[p<i>]`."""
+
+    def on_line(i: int, line: str) -> None:
+        if line.startswith(PROGRESS_PREFIX):
+            if progress is not None and i == 0:
+                p = json.loads(line[len(PROGRESS_PREFIX):])
+                progress(p["step"], p["total"], p["metrics"])
+            return
+        log.info("[p%d] %s", i, line)
+
+    return on_line
+
+
 def run_member(spec: dict[str, Any]) -> dict[str, Any] | None:
     """Join the job, run the stage; the metadata on process 0, None on the others."""
     import storage
