@@ -394,10 +394,6 @@ def _natural_key(name: str) -> list:
     return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
 
 
-def _np(x: jax.Array, dtype: Any) -> np.ndarray:
-    return np.ascontiguousarray(np.asarray(jnp.asarray(x).astype(dtype)))
-
-
 def hf_tensors(
     model: nnx.Module, *, dtype: Any = None, skip_quantized: bool = False
 ) -> list[tuple[str, Callable[[], jax.Array]]]:
