@@ -58,11 +58,6 @@ class View:
     def T(self) -> View:  # noqa: N802 (numpy's name)
         return Permuted(self, tuple(reversed(range(len(self.shape)))))
 
-    @property
-    def nbytes(self) -> int:
-        return int(np.prod(self.shape)) * np.dtype(self.dtype).itemsize
-
-
 class Array(View):
     def __init__(self, array: Any):
         self.array = np.asarray(array)
@@ -178,6 +173,3 @@ class Deinterleaved(View):
         parts += [raw[..., 2 * (lo - p0) + 1: 2 * (hi - p0): 2] for lo, hi in [up] if lo < hi]
         return np.concatenate(parts, axis=-1) if len(parts) > 1 else np.ascontiguousarray(parts[0])
 
-
-def as_view(value: Any) -> View:
-    return value if isinstance(value, View) else Array(value)
