@@ -56,6 +56,69 @@ def _state_shardings_like(opt_state: Any, params: Any, default: NamedSharding) -
     return jax.tree_util.tree_map_with_path(one, opt_state)
 
 
+def prepare_for_training(model: nnx.Module, cfg: TrainConfig) -> Any:
+    """Give `model` (concrete or abstract, `nnx.eval_shape`) the compute dtype and remat policy of `cfg`, put it
+    in train mode with MoE layers sowing their load-balancing loss (in place); returns the eval-mode graphdef
+    (dropout off, nothing sown), the graph of eval steps and of the trained model."""
+    if cfg.compute_dtype == "bfloat16":
+        set_compute_dtype(model, jnp.bfloat16)
+    if isinstance(model, DecoderLM):
+        model.remat = cfg.remat
+    elif cfg.remat != "none":
+        raise ValueError(f"train.remat={cfg.remat}: {type(model).__name__} is not a DecoderLM")
+    model.eval()
+    eval_graphdef = nnx.graphdef(model)
+    model.train()
+    for _, m in nnx.iter_graph(model):
+        if isinstance(m, MoE):
+            m.collect_aux = True  # sow the load-balancing loss; reported, and trained on when coef > 0
+    return eval_graphdef
+
+
+def make_train_step(graphdef: Any, tx: optax.GradientTransformation, cfg: TrainConfig, loss_fn: LossFn) -> Any:
+    """The train step as a pure function (params, opt_state, rng_state, frozen, batch) -> (params, opt_state,
+    rng_state, stats) over the split state of a model prepared by `prepare_for_training`: `grad_accum`
+    micro-batches scanned, the gradient summed, one optimizer update. The Trainer jits it on real arrays; the
+    capacity planner (tasks/training/plan.py) compiles the same function on abstract ones."""
+    A, coef = cfg.grad_accum, cfg.aux_loss_coef
+
+    def micro_objective(params, rng_state, frozen, mb, n_total):
+        # fresh Variables at this trace level: dropout advances the RNG state here, and a remat'd layer writes
+        # its (unchanged) frozen Variables back, which nnx refuses for Variables of the enclosing jit's level
+        rng_state, frozen = jax.tree.map(lambda x: x, (rng_state, frozen))
+        model = nnx.merge(graphdef, params, rng_state, frozen)
+        ce_sum, aux = loss_fn(model, mb)
+        objective = ce_sum / n_total + coef * aux / A
+        return objective, (ce_sum, aux, nnx.state(model, nnx.RngState))
+
+    grad_fn = jax.value_and_grad(micro_objective, has_aux=True)
+
+    def train_step(params, opt_state, rng_state, frozen, batch):
+        n_total = jnp.maximum(batch["loss_mask"].astype(jnp.float32).sum(), 1.0)
+        if A == 1:
+            (_, (ce_sum, aux, rng_state)), grads = grad_fn(params, rng_state, frozen, batch, n_total)
+        else:
+            # micro-batch m = rows m, m+A, ...: each micro-batch keeps the batch's sharding
+            micro = jax.tree.map(lambda x: x.reshape(x.shape[0] // A, A, *x.shape[1:]).swapaxes(0, 1), batch)
+
+            def body(carry, mb):
+                g_acc, ce_acc, aux_acc, rng = carry
+                (_, (ce, aux, rng)), g = grad_fn(params, rng, frozen, mb, n_total)
+                return (jax.tree.map(jnp.add, g_acc, g), ce_acc + ce, aux_acc + aux, rng), None
+
+            zero = jnp.float32(0.0)
+            init = (jax.tree.map(jnp.zeros_like, params), zero, zero, rng_state)
+            (grads, ce_sum, aux, rng_state), _ = jax.lax.scan(body, init, micro)
+            aux = aux / A
+        updates, opt_state = tx.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        stats = {"loss": ce_sum / n_total, "grad_norm": optax.tree.norm(grads), "aux_loss": aux,
+                 "target_tokens": n_total}
+        return params, opt_state, rng_state, stats
+
+    return train_step
+
+
 def _per_device_bytes(tree: Any) -> int:
     total = 0
     for x in jax.tree.leaves(tree):
@@ -82,19 +145,9 @@ class Trainer:
         self.rules = mesh_rules(cfg.mesh)
         self.config = getattr(model, "config", None)
         self.lora = trainable is nnx.LoRAParam
-        if cfg.compute_dtype == "bfloat16":
-            set_compute_dtype(model, jnp.bfloat16)
-        self.moe = [m for _, m in nnx.iter_graph(model) if isinstance(m, MoE)]
-        if isinstance(model, DecoderLM):
-            model.remat = cfg.remat
-        elif cfg.remat != "none":
-            raise ValueError(f"train.remat={cfg.remat}: {type(model).__name__} is not a DecoderLM")
         shard_model(model, self.mesh, self.rules)
-        model.eval()  # dropout off, no load-balancing loss sown: the graph of eval and of `model()`
-        self.eval_graphdef = nnx.graphdef(model)
-        model.train()
-        for m in self.moe:
-            m.collect_aux = True  # sow the load-balancing loss; reported, and trained on when coef > 0
+        self.eval_graphdef = prepare_for_training(model, cfg)
+        self.moe = [m for _, m in nnx.iter_graph(model) if isinstance(m, MoE)]
         self.graphdef, self.params, self.rng_state, self.frozen = nnx.split(model, trainable, nnx.RngState, ...)
         self.schedule = lr_schedule(cfg)
         self.tx = make_optimizer(cfg)
@@ -106,41 +159,8 @@ class Trainer:
         self.opt_state = jax.jit(self.tx.init, out_shardings=opt_sh)(self.params)
         self.opt_sh, self.rng_sh = opt_sh, shardings(self.rng_state)
         self.batch_sh = named_sharding(self.mesh, ("batch", "length"), self.rules)
-
-        graphdef, eval_graphdef, tx, A, coef = self.graphdef, self.eval_graphdef, self.tx, cfg.grad_accum, \
-            cfg.aux_loss_coef
-
-        def micro_objective(params, rng_state, frozen, mb, n_total):
-            rng_state = jax.tree.map(lambda x: x, rng_state)  # fresh Variables: dropout advances them here
-            model = nnx.merge(graphdef, params, rng_state, frozen)
-            ce_sum, aux = loss_fn(model, mb)
-            objective = ce_sum / n_total + coef * aux / A
-            return objective, (ce_sum, aux, nnx.state(model, nnx.RngState))
-
-        grad_fn = jax.value_and_grad(micro_objective, has_aux=True)
-
-        def train_step(params, opt_state, rng_state, frozen, batch):
-            n_total = jnp.maximum(batch["loss_mask"].astype(jnp.float32).sum(), 1.0)
-            if A == 1:
-                (_, (ce_sum, aux, rng_state)), grads = grad_fn(params, rng_state, frozen, batch, n_total)
-            else:
-                # micro-batch m = rows m, m+A, ...: each micro-batch keeps the batch's sharding
-                micro = jax.tree.map(lambda x: x.reshape(x.shape[0] // A, A, *x.shape[1:]).swapaxes(0, 1), batch)
-
-                def body(carry, mb):
-                    g_acc, ce_acc, aux_acc, rng = carry
-                    (_, (ce, aux, rng)), g = grad_fn(params, rng, frozen, mb, n_total)
-                    return (jax.tree.map(jnp.add, g_acc, g), ce_acc + ce, aux_acc + aux, rng), None
-
-                zero = jnp.float32(0.0)
-                init = (jax.tree.map(jnp.zeros_like, params), zero, zero, rng_state)
-                (grads, ce_sum, aux, rng_state), _ = jax.lax.scan(body, init, micro)
-                aux = aux / A
-            updates, opt_state = tx.update(grads, opt_state, params)
-            params = optax.apply_updates(params, updates)
-            stats = {"loss": ce_sum / n_total, "grad_norm": optax.tree.norm(grads), "aux_loss": aux,
-                     "target_tokens": n_total}
-            return params, opt_state, rng_state, stats
+        train_step = make_train_step(self.graphdef, self.tx, cfg, loss_fn)
+        eval_graphdef = self.eval_graphdef
 
         def eval_step(params, rng_state, frozen, batch):
             model = nnx.merge(eval_graphdef, params, rng_state, frozen)

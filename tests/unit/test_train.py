@@ -1,5 +1,5 @@
 """The training step's options against their plain counterparts: gradient accumulation equals the full
-batch, remat equals no remat, bf16 compute keeps fp32 master weights, Muon orthogonalises only hidden
+batch, remat equals no remat (full and LoRA), bf16 compute keeps fp32 master weights, Muon orthogonalises only hidden
 matrices, weight decay skips vectors, the router correction bias stays frozen, a NaN stops the run
 naming the step without checkpointing past it, and the metrics reach TensorBoard."""
 
@@ -12,7 +12,7 @@ import optax
 import pytest
 from flax import nnx
 
-from models import deepseek_v3, llama
+from models import deepseek_v3, llama, lora
 from models.sharding import make_mesh
 from tasks.training.checkpoints import Checkpoints
 from tasks.training.config import TrainConfig, TrainingDiverged
@@ -33,13 +33,14 @@ def _batch(seed: int = 0, vocab: int = 256) -> dict[str, np.ndarray]:
             (B, 1)), "segment_ids": np.ones((B, T), np.int32), "loss_mask": mask}
 
 
-def _trainer(cfg: TrainConfig, model=None) -> Trainer:
+def _trainer(cfg: TrainConfig, model=None, trainable=nnx.Param) -> Trainer:
     model = model if model is not None else llama.Llama(llama.LlamaConfig.tiny(), rngs=nnx.Rngs(0))
-    return Trainer(model, cfg, mesh=make_mesh(devices=jax.devices()[:1]))
+    return Trainer(model, cfg, trainable=trainable, mesh=make_mesh(devices=jax.devices()[:1]))
 
 
-def _run(cfg: TrainConfig, steps: int = 3, model=None, stat: str = "loss") -> tuple[list[float], dict[str, np.ndarray]]:
-    trainer = _trainer(cfg, model)
+def _run(cfg: TrainConfig, steps: int = 3, model=None, stat: str = "loss", trainable=nnx.Param
+         ) -> tuple[list[float], dict[str, np.ndarray]]:
+    trainer = _trainer(cfg, model, trainable)
     losses = [float(trainer.step(_batch(i % 2))[stat]) for i in range(steps)]
     params = {jax.tree_util.keystr(p): np.asarray(x) for p, x in jax.tree_util.tree_leaves_with_path(trainer.params)}
     return losses, params
@@ -77,6 +78,19 @@ def test_grad_accum_must_divide_the_batch():
 @pytest.mark.parametrize("policy", ["full", "dots"])
 def test_remat_changes_nothing_but_memory(policy):
     plain, remat = _run(TrainConfig(**BASE)), _run(TrainConfig(**BASE, remat=policy))
+    np.testing.assert_allclose(remat[0], plain[0], rtol=1e-6)
+    _adam_close(remat[1], plain[1], BASE["learning_rate"], 3)
+
+
+def test_remat_with_lora_changes_nothing_but_memory():
+    """The frozen base under a remat'd layer (it once failed: nnx refused to write back Variables of the
+    enclosing trace)."""
+    def adapted():
+        return lora.apply_lora(llama.Llama(llama.LlamaConfig.tiny(), rngs=nnx.Rngs(0)), rank=4, alpha=8.0,
+                               dropout=0.1, rngs=nnx.Rngs(1))
+
+    plain = _run(TrainConfig(**BASE), model=adapted(), trainable=nnx.LoRAParam)
+    remat = _run(TrainConfig(**BASE, remat="full"), model=adapted(), trainable=nnx.LoRAParam)
     np.testing.assert_allclose(remat[0], plain[0], rtol=1e-6)
     _adam_close(remat[1], plain[1], BASE["learning_rate"], 3)
 
