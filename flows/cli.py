@@ -6,6 +6,7 @@
     forgeline deploy [--prefect-file infra/prefect.yaml] [--recipe NAME|FILE] [--gpu-slots N]
     forgeline worker [--pool forgeline-gpu] [--limit 1]
     forgeline stack up|env|down [--dir .forgeline-stack]
+    forgeline plan MODEL --mode lora|full --seq-len T --global-batch B --devices N --device-memory GIB [--json]
 
 Without PREFECT_API_URL, Prefect runs an ephemeral server for the command's lifetime; with it, runs
 appear on that server's UI. Every failure is one `error:` line on stderr and a non-zero exit (2 for a
@@ -456,6 +457,18 @@ def jobset(stage: Annotated[str, typer.Option(help="the stage (resources.<stage>
     except (ConfigError, ValueError) as e:
         _fail(_first_line(e), 2)
     print(yaml.safe_dump(body, sort_keys=False, width=120), end="")
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True,
+                               "help_option_names": []}, add_help_option=False)
+def plan(ctx: typer.Context) -> None:
+    """Capacity planner: per-device memory of a LoRA or full fine-tune of MODEL (a preset such as deepseek-v3, or
+    a config.json) on N devices, the best meshes, FLOPs and step time. Compiles the real train step on abstract
+    arrays over N fake CPU devices; nothing is allocated. Exit 0: fits, 1: does not fit, 2: bad input.
+    `forgeline plan --help` lists the options."""
+    from tasks.training.plan import run_in_subprocess
+
+    raise typer.Exit(run_in_subprocess(ctx.args).returncode)
 
 
 @app.command()

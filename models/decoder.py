@@ -18,6 +18,7 @@ N query heads, K kv heads, H head dim, F ffn width, V vocab, L layers.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -276,6 +277,21 @@ class DecoderLM(nnx.Module):
             self.lm_head = nnx.data(None)
         else:
             self.lm_head = Linear(config.hidden_size, config.vocab_size, axes=("embed", "vocab"), **kw)
+        self.activation_sharding: Any = None  # set_activation_sharding: the residual stream's [B, T, D] layout
+
+    def constrain(self, x: jax.Array) -> jax.Array:
+        """x [B, ...] laid out as `activation_sharding` (rows over the batch axes) when one is set and the
+        rows divide evenly (a batch-1 decode is left to XLA)."""
+        sharding = self.activation_sharding
+        if sharding is None:
+            return x
+        rows = sharding.spec[0] if len(sharding.spec) else None
+        axes = rows if isinstance(rows, tuple) else (rows,) if rows else ()
+        if x.shape[0] % math.prod(sharding.mesh.shape[a] for a in axes):
+            return x
+        free = jax.sharding.PartitionSpec.UNCONSTRAINED  # the other dims: XLA's choice (e.g. vocab over tensor)
+        spec = jax.sharding.PartitionSpec(rows, *([free] * (x.ndim - 1)))
+        return jax.lax.with_sharding_constraint(x, type(sharding)(sharding.mesh, spec))
 
     def rope(self, positions: jax.Array) -> Any:  # pragma: no cover - every family overrides it
         raise NotImplementedError
@@ -356,7 +372,7 @@ class DecoderLM(nnx.Module):
         ctx, cache = build_context(T, B, positions=positions, segment_ids=segment_ids, cache=cache,
                                    windows=windows, tree_mask=tree_mask)
         ctx.rope = self.rope(ctx.positions)
-        x = self.embed_tokens(input_ids)  # [B, T, D]
+        x = self.constrain(self.embed_tokens(input_ids))  # [B, T, D]
         hidden: dict[int, jax.Array] = {}
         policy = REMAT_POLICIES[getattr(self, "remat", "none")]
         for i in range(L):
@@ -367,11 +383,12 @@ class DecoderLM(nnx.Module):
                 x = layer_fn(self.layers[i], x)
             else:
                 x, cache = self.layers[i](x, ctx, cache, i)
+            x = self.constrain(x)
             if i in wanted:
                 hidden[i] = x
         x = self.norm(x)
         hidden[L] = x
-        logits = self.lm_logits(x)  # [B, T, V]
+        logits = self.constrain(self.lm_logits(x))  # [B, T, V]
 
         out: tuple = (logits,)
         if cache is not None:

@@ -23,6 +23,7 @@ R = T·k routed rows, G router groups.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -206,8 +207,9 @@ block_gemm.defvjp(_block_gemm_fwd, _block_gemm_bwd)
 ACTIVATIONS = ("silu", "gpt_oss")
 HF_LAYOUTS = ("per_expert", "gpt_oss")
 IMPLS = ("blocked", "ragged", "dense")
-# "blocked" is measured to scale with top-k on XLA:CPU (benchmarks/moe.py); on GPU/TPU the native
-# ragged_dot kernel may be the faster choice — set FORGELINE_MOE_IMPL=ragged there after measuring.
+# "blocked" is measured to scale with top-k on XLA:CPU (benchmarks/moe.py) and stays the default on every
+# backend: nothing measured yet says the native ragged_dot kernel wins on GPU. `python -m benchmarks.gpu`
+# times both at a training size and prints the winner; set FORGELINE_MOE_IMPL=ragged where it wins.
 DEFAULT_IMPL = os.environ.get("FORGELINE_MOE_IMPL", "blocked")
 if DEFAULT_IMPL not in IMPLS:
     raise ValueError(f"FORGELINE_MOE_IMPL={DEFAULT_IMPL!r} (known: {', '.join(IMPLS)})")
@@ -267,6 +269,7 @@ class Experts(nnx.Module):
         self.qblock: int | None = None
         self.qbits = 0
         self.calibrating = False  # models/quant/: sow the routed rows for per-expert calibration
+        self.dispatch_sharding: Any = None  # rows over the batch axes: dispatch per batch shard (__call__)
 
     # -- LoRA ------------------------------------------------------------------------------------
 
@@ -358,13 +361,44 @@ class Experts(nnx.Module):
         return (up + 1) * gate * jax.nn.sigmoid(gate * self.alpha)
 
     def __call__(self, x: jax.Array, idx: jax.Array, w: jax.Array, *, impl: str | None = None) -> jax.Array:
-        """x [T, D], idx [T, k] experts, w [T, k] routing weights -> Σ_k w · expert_idx(x), [T, D]."""
+        """x [T, D], idx [T, k] experts, w [T, k] routing weights -> Σ_k w · expert_idx(x), [T, D].
+
+        With a `dispatch_sharding` over G > 1 batch shards (models.sharding.set_activation_sharding) the T
+        tokens are dispatched as G independent groups of T/G (`jax.vmap` over a leading group axis laid out
+        like the batch), so that each device sorts only its own tokens' rows: one sort over all T·k rows cannot
+        be partitioned, and XLA replicates it, and every routed row of the global batch, on every device.
+        The result is the same (a token's output depends on its own rows only). Calibration (which sows the
+        rows) and LoRA dropout (which draws masks) dispatch as one group."""
         impl = impl or self.impl
         if impl == "dense":
             return self._dense(x, idx, w)
+        x = x.astype(self.dtype)
+        if self.quantized:  # dequantized on the fly, one expert per block
+            weights = self.expert_weights("gate_up", self.dtype), self.expert_weights("down", self.dtype)
+        else:
+            weights = self.base_weights(self.dtype)
+        sharding = self.dispatch_sharding
+        rows = sharding.spec[0] if sharding is not None and len(sharding.spec) else None
+        axes = rows if isinstance(rows, tuple) else (rows,) if rows else ()
+        T, G = x.shape[0], math.prod(sharding.mesh.shape[a] for a in axes) if sharding is not None else 1
+        if G <= 1 or T % G or self.calibrating or self.lora_dropout is not None:
+            return self._routed(x, idx, w, weights, impl)
+        free = jax.sharding.PartitionSpec.UNCONSTRAINED
+
+        def split(a: jax.Array) -> jax.Array:  # [T, ...] -> [G, T/G, ...], one group per batch shard
+            spec = jax.sharding.PartitionSpec(rows, *([free] * a.ndim))
+            return jax.lax.with_sharding_constraint(a.reshape(G, T // G, *a.shape[1:]),
+                                                    type(sharding)(sharding.mesh, spec))
+
+        out = jax.vmap(lambda xg, ig, wg: self._routed(xg, ig, wg, weights, impl))(split(x), split(idx), split(w))
+        return out.reshape(T, self.hidden_size)  # [T, D]
+
+    def _routed(self, x: jax.Array, idx: jax.Array, w: jax.Array, weights: tuple[Any, Any], impl: str) -> jax.Array:
+        """The grouped dispatch of x [T, D] (already in the compute dtype): rows sorted by expert, two grouped
+        matmuls, rows weighted and summed back per token -> [T, D]."""
         T, k = idx.shape
         E = self.num_experts
-        x = x.astype(self.dtype)
+        w_gu, w_down = weights
         flat = idx.reshape(-1)  # [R]
         order = jnp.argsort(flat, stable=True)  # [R] rows grouped by expert
         token = order // k  # [R] source token of each sorted row
@@ -376,10 +410,6 @@ class Experts(nnx.Module):
             t = grouped_matmul(self._lora_in(h), a[...], sizes, impl=impl)  # [R, r]
             return grouped_matmul(t, b[...], sizes, impl=impl) * jnp.asarray(self.lora_scale, h.dtype)
 
-        if self.quantized:  # dequantized on the fly, one expert per block
-            w_gu, w_down = self.expert_weights("gate_up", self.dtype), self.expert_weights("down", self.dtype)
-        else:
-            w_gu, w_down = self.base_weights(self.dtype)
         xs = x[token]  # [R, D]
         if self.calibrating:
             self.sow(nnx.Intermediate, "calib_rows", (token, expert))

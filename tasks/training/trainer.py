@@ -19,7 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from models.decoder import DecoderLM, set_compute_dtype
 from models.moe import MoE
-from models.sharding import RULES, make_mesh, named_sharding, shard_model
+from models.sharding import RULES, make_mesh, named_sharding, set_activation_sharding, shard_model
 from tasks.training.config import MeshConfig, TrainConfig
 from tasks.training.data import PackedBatches
 from tasks.training.losses import EvalFn, LossFn, xent_sum, xent_sum_and_aux
@@ -146,6 +146,7 @@ class Trainer:
         self.config = getattr(model, "config", None)
         self.lora = trainable is nnx.LoRAParam
         shard_model(model, self.mesh, self.rules)
+        set_activation_sharding(model, self.mesh, self.rules)
         self.eval_graphdef = prepare_for_training(model, cfg)
         self.moe = [m for _, m in nnx.iter_graph(model) if isinstance(m, MoE)]
         self.graphdef, self.params, self.rng_state, self.frozen = nnx.split(model, trainable, nnx.RngState, ...)

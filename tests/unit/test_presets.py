@@ -1,0 +1,118 @@
+"""models/presets: every preset's published config.json loads, parses with our config class, builds
+abstractly (nnx.eval_shape, no weights), and our parameter counts agree with what the publisher states:
+the total within 1 %, the per-token active count within 2 % (in the publisher's own definition, named
+in `PUBLISHED_ACTIVE`). Each preset is built once per test session."""
+
+from __future__ import annotations
+
+import functools
+import json
+from importlib import resources
+
+import pytest
+
+from models import families
+from models.presets import PRESETS, PUBLISHED_ACTIVE, PUBLISHED_PARAMS, count_params, load_preset
+
+pytestmark = pytest.mark.unit
+
+EXPECTED = {
+    "deepseek-v3": "deepseek-ai/DeepSeek-V3",
+    "kimi-k2": "moonshotai/Kimi-K2-Instruct",
+    "glm-4.5": "zai-org/GLM-4.5",
+    "glm-4.5-air": "zai-org/GLM-4.5-Air",
+    "gpt-oss-120b": "openai/gpt-oss-120b",
+    "qwen3-235b-a22b": "Qwen/Qwen3-235B-A22B",
+    "llama-3.1-70b": "meta-llama/Llama-3.1-70B",
+}
+# MTP layers our model builds from config.json alone: DeepSeek-V3 builds num_nextn_predict_layers (1);
+# GLM-4.5 declares 1 but builds none until Glm4MoeConfig.for_checkpoint sees the MTP tensors.
+MTP_BUILT = {"deepseek-v3": 1}
+
+
+@functools.cache
+def counts(name: str) -> dict[str, int]:
+    return count_params(load_preset(name))
+
+
+def test_preset_names_and_repos():
+    assert PRESETS == EXPECTED
+    assert set(PUBLISHED_PARAMS) == set(PRESETS)
+    assert set(PUBLISHED_ACTIVE) == set(PRESETS) - {"llama-3.1-70b"}
+    files = {p.name for p in resources.files("models.presets").iterdir() if p.name.endswith(".json")}
+    assert files == {f"{name}.json" for name in PRESETS}
+
+
+def test_unknown_preset_names_the_known_ones():
+    with pytest.raises(ValueError, match="unknown preset 'gpt-5'.*deepseek-v3.*llama-3.1-70b"):
+        load_preset("gpt-5")
+
+
+def test_load_preset_returns_a_fresh_dict():
+    a = load_preset("kimi-k2")
+    a["vocab_size"] = 1
+    assert load_preset("kimi-k2")["vocab_size"] == 163840
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_preset_parses_with_our_config_class(name):
+    d = load_preset(name)
+    assert json.loads(json.dumps(d)) == d  # plain JSON
+    config_cls, _ = families.resolve(d, source=name)
+    cfg = config_cls.from_hf(d)
+    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size"):
+        assert getattr(cfg, key) == d[key], key
+    assert bool(cfg.tie_word_embeddings) is bool(d.get("tie_word_embeddings", False))
+
+
+@pytest.mark.slow  # building 1T-parameter models abstractly: 5-45 s each on 2 cores
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_total_within_1pct_of_published(name):
+    """Publishers' totals are the main model (no MTP layer); ours is `total_main`."""
+    c = counts(name)
+    published, _ = PUBLISHED_PARAMS[name]
+    assert c["total_main"] == c["total"] - c["mtp"]
+    assert (c["mtp"] > 0) is (name in MTP_BUILT)
+    assert abs(c["total_main"] / published - 1) < 0.01, (c["total_main"], published)
+
+
+@pytest.mark.slow  # building 1T-parameter models abstractly: 5-45 s each on 2 cores
+@pytest.mark.parametrize("name", sorted(PUBLISHED_ACTIVE))
+def test_active_within_2pct_of_published(name):
+    c = counts(name)
+    published, key, _ = PUBLISHED_ACTIVE[name]
+    assert key in ("active", "active_no_head", "active_with_embedding")
+    assert abs(c[key] / published - 1) < 0.02, (key, c[key], published)
+    assert c["active_no_head"] < c["active"] < c["active_with_embedding"] < c["total_main"]
+
+
+@pytest.mark.slow  # building 1T-parameter models abstractly: 5-45 s each on 2 cores
+def test_deepseek_v3_decomposes_exactly():
+    """flops.py's per-token matmul count and the built model agree to the parameter: what a token does not
+    touch is the 248 unrouted experts of each of the 58 MoE layers plus the norms; the MTP layer is one
+    more MoE block with eh_proj and its norms (README_WEIGHTS: 11.5B unique)."""
+    c = counts("deepseek-v3")
+    D, E, k, I, L, Q, C, dense = 7168, 256, 8, 2048, 61, 1536, 512, 3
+    untouched = (L - dense) * (E - k) * 3 * D * I + L * (2 * D + Q + C) + D
+    assert c["total_main"] - c["active_no_head"] - c["embedding"] - c["lm_head"] == untouched
+    assert c["embedding"] == c["lm_head"] == 129280 * D
+    assert c["buffers"] == (L - dense + 1) * E  # e_score_correction_bias, main MoE layers + the MTP layer
+    assert abs(c["mtp"] / 11.5e9 - 1) < 0.01, c["mtp"]
+
+
+@pytest.mark.slow  # building 1T-parameter models abstractly: 5-45 s each on 2 cores
+def test_llama_3_1_70b_is_dense():
+    c = counts("llama-3.1-70b")
+    assert c["total"] == 70_553_706_496  # the checkpoint's parameter count, to the parameter
+    assert c["total"] - c["active_no_head"] - c["embedding"] - c["lm_head"] == (2 * 80 + 1) * 8192  # norms
+    assert c["buffers"] == c["mtp"] == 0
+
+
+@pytest.mark.slow  # building 1T-parameter models abstractly: 5-45 s each on 2 cores
+def test_kimi_k2_matches_its_checkpoint():
+    """The Instruct checkpoint's tensors: weights (our Params + the router bias buffers) plus FP8 scales."""
+    c = counts("kimi-k2")
+    weights = c["total"] + c["buffers"]
+    assert c["buffers"] == 60 * 384
+    scales = PUBLISHED_PARAMS["kimi-k2"][0] - weights
+    assert 0 < scales < weights / (128 * 128) * 1.01  # one fp32 scale per 128×128 block, ~63M
