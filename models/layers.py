@@ -13,7 +13,9 @@ models/sharding.py for the rule table that maps them onto mesh axes).
 
 from __future__ import annotations
 
+import functools
 import math
+import os
 from collections.abc import Mapping
 from typing import Any
 
@@ -428,9 +430,71 @@ def _attention_bwd(res, d_out):
 attention_core.defvjp(_attention_fwd, _attention_bwd)
 
 
+ATTENTION_IMPLS = ("auto", "core", "cudnn", "xla")
+
+
+@functools.cache
+def _cudnn_trains() -> bool:
+    """Whether this GPU's cuDNN compiles a training step of the fused path as `attention` calls it (a dense
+    [B, 1, T, S] mask, B > 1, GQA, bf16, forward and backward): some jax / cuDNN versions reject the mask's
+    gradient (jax-ml/jax#23701). Compiled once per process on abstract arrays, never run, so it is safe to
+    ask while tracing; "auto" keeps today's kernel where it fails."""
+    B, T, N, K, H = 2, 256, 8, 2, 128
+    q = jax.ShapeDtypeStruct((B, T, N, H), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((B, T, K, H), jnp.bfloat16)
+    mask = jax.ShapeDtypeStruct((B, 1, T, T), jnp.bool_)
+
+    def loss(q, k, v, m):
+        out = jax.nn.dot_product_attention(q, k, v, mask=m, is_causal=True, implementation="cudnn")
+        return out.astype(jnp.float32).sum()
+
+    try:
+        jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, kv, kv, mask).compile()
+    except Exception:  # noqa: BLE001 - any refusal means: not this kernel
+        return False
+    return True
+
+
+def attention_impl(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool, sinks: jax.Array | None,
+                   impl: str | None = None) -> str:
+    """The kernel one `attention` call runs: "core" (today's `attention_core`, custom VJP, causal blocks)
+    or "cudnn" / "xla" (`jax.nn.dot_product_attention` with that implementation).
+
+    `impl` (default: the FORGELINE_ATTENTION environment variable, read at trace time, default "auto")
+    is one of ATTENTION_IMPLS. "auto" is "cudnn" when `jax.default_backend() == "gpu"`, the call is
+    supported and this GPU's cuDNN compiles the path's training step (`_cudnn_trains`), else "core" — so
+    CPU runs exactly the path the fp32 parity tests check. "cudnn" / "xla" force that implementation
+    where supported (cuDNN: on a GPU) and fall back to "core" elsewhere.
+    Supported: a self-attention call (`causal`, keys = queries: training, eval, a no-cache forward) with
+    GQA, causal / segment / padding / sliding-window masks (all folded into `mask`), no sinks (GPT-OSS)
+    and equal key and value head dims (not MLA). Cached calls (decode, verify) keep "core": at a few
+    query tokens a fused kernel gains nothing and would need the head-major cache transposed. cuDNN
+    further needs bf16 / fp16, an even length and a head dim that is a multiple of 8, at most 128 (256
+    from Hopper on).
+    """
+    impl = impl or os.environ.get("FORGELINE_ATTENTION", "auto")
+    if impl not in ATTENTION_IMPLS:
+        raise ValueError(f"FORGELINE_ATTENTION={impl!r} (known: {', '.join(ATTENTION_IMPLS)})")
+    if impl == "auto":
+        impl = "cudnn" if jax.default_backend() == "gpu" and _cudnn_trains() else "core"
+    T, H, S, Hv = q.shape[1], q.shape[-1], k.shape[2], v.shape[-1]
+    if impl == "core" or sinks is not None or Hv != H or not causal or S != T:
+        return "core"
+    if impl == "cudnn":
+        if jax.default_backend() != "gpu":
+            return "core"
+        major = str(getattr(jax.devices()[0], "compute_capability", "0")).split(".")[0]  # "9.0": H100 / H200
+        h_max = 256 if major.isdigit() and int(major) >= 9 else 128
+        if jnp.dtype(q.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) or T % 2 or H % 8 \
+                or H > h_max:
+            return "core"
+    return impl
+
+
 def attention(
     q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, *, causal: bool = False,
-    scale: float | None = None, sinks: jax.Array | None = None,
+    scale: float | None = None, sinks: jax.Array | None = None, window: int | None = None,
+    impl: str | None = None,
 ) -> jax.Array:
     """Grouped-query attention: q [B, T, N, H], k [B, K, S, H], v [B, K, S, Hv] (head-major, the
     KV-cache layout), mask [B, T, S] (True = may attend) -> [B, T, N, Hv].
@@ -439,11 +503,18 @@ def attention(
     learned logit per head to every softmax row (GPT-OSS). `causal=True` promises that key j is
     query j (S == T) and that `mask` is causal: queries are then processed in blocks of
     CAUSAL_CHUNK that only see the keys up to their block's end, which skips close to half of the
-    score matrix (CPU attention is bound by its memory traffic).
+    score matrix (CPU attention is bound by its memory traffic). `window` (optional) promises that
+    `mask` already keeps only the last `window` keys of each query; a fused kernel then skips the
+    blocks outside it. `impl`: see `attention_impl` (default FORGELINE_ATTENTION, "auto").
     """
     B, T, N, H = q.shape
     K, S, Hv = k.shape[1], k.shape[2], v.shape[-1]
     scale = H**-0.5 if scale is None else scale
+    kernel = attention_impl(q, k, v, causal=causal, sinks=sinks, impl=impl)
+    if kernel != "core":  # jax.nn.dot_product_attention: [B, S, K, H] keys, the mask as [B, 1, T, S]
+        return jax.nn.dot_product_attention(
+            q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), mask=mask[:, None], scale=scale, is_causal=True,
+            local_window_size=None if window is None else (window - 1, 0), implementation=kernel)
     q = (q * jnp.asarray(scale, q.dtype)).reshape(B, T, K, N // K, H)  # [B, T, K, G, H]
     sinks = None if sinks is None else sinks.astype(jnp.float32).reshape(K, N // K)  # [K, G]
     chunk = CAUSAL_CHUNK if causal and S == T and T > CAUSAL_CHUNK else T

@@ -1,11 +1,17 @@
 """The benchmarks cannot rot unnoticed: every module imports and parses its command line here, in the
 default tier; the slow tier runs the cheap ones end to end on the smoke release
-(tests/integration/test_release_flow.py)."""
+(tests/integration/test_release_flow.py) and `benchmarks.gpu` at its toy sizes on CPU (below)."""
 
 from __future__ import annotations
 
 import importlib
+import json
+import math
+import os
 import pkgutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -17,7 +23,7 @@ MODULES = sorted(m.name for m in pkgutil.iter_modules(benchmarks.__path__))
 
 
 def test_every_benchmark_is_here():
-    assert {"load", "moe", "parity", "quant", "run", "speculative", "train"} <= set(MODULES)
+    assert {"calibration", "gpu", "load", "moe", "parity", "quant", "run", "speculative", "train"} <= set(MODULES)
 
 
 @pytest.mark.parametrize("name", MODULES)
@@ -28,3 +34,35 @@ def test_benchmark_imports_and_parses_its_command_line(name, capsys):
         with pytest.raises(SystemExit) as e:
             module.main(["--help"])
         assert e.value.code == 0 and "usage:" in capsys.readouterr().out
+
+
+def test_gpu_benchmark_published_peaks():
+    from benchmarks.gpu import published_peaks
+
+    assert published_peaks("NVIDIA H200") == (989e12, 4.8e12)
+    assert published_peaks("NVIDIA H100 80GB HBM3") == (989e12, 3.35e12)
+    assert published_peaks("NVIDIA H100 PCIe") == (756e12, 2.0e12)
+    assert published_peaks("NVIDIA A100-SXM4-40GB") == (312e12, 1.555e12)
+    assert published_peaks("NVIDIA A100-SXM4-80GB") == (312e12, 2.0e12)
+    assert published_peaks("cpu") is None
+
+
+@pytest.mark.slow
+def test_gpu_benchmark_runs_every_section_at_toy_sizes(tmp_path):
+    """`python -m benchmarks.gpu --toy` (the command a lent GPU runs, at CPU sizes): every section prints
+    a number, none an error, and the exit status says so (~60-80 s on 2 shared cores, compiles included)."""
+    from benchmarks.gpu import SECTIONS
+
+    out = tmp_path / "rows.json"
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    p = subprocess.run([sys.executable, "-m", "benchmarks.gpu", "--toy", "--json", str(out)], env=env,
+                       cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout + p.stderr
+    rows = json.loads(out.read_text())
+    assert {r["section"] for r in rows} == set(SECTIONS)
+    for r in rows:
+        assert not r["error"] and isinstance(r["value"], float) and math.isfinite(r["value"]) and r["value"] > 0, r
+    for section in ("train_dense", "train_moe", "decode", "speculative", "attention", "moe_impl", "load"):
+        assert all(r["ratio"] is not None and r["ratio"] > 0 for r in rows if r["section"] == section), section
+    assert "| train_dense " in p.stdout and "ERROR" not in p.stdout
+    assert all(f"{name}: done in" in p.stderr for name in SECTIONS)  # the per-section progress lines

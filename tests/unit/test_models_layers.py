@@ -1,5 +1,6 @@
 """Layer-level checks: the custom-VJP, causally blocked attention against a plain autodiff reference
-(with GPT-OSS sinks, MLA's value width != key width and DeepSeek's explicit scale), partial RoPE,
+(with GPT-OSS sinks, MLA's value width != key width and DeepSeek's explicit scale), the GPU fast path's
+masking (jax.nn.dot_product_attention, run here with its XLA implementation) against it, partial RoPE,
 and RoPE frequencies (docs/models/decoder.md)."""
 
 from __future__ import annotations
@@ -94,6 +95,47 @@ def test_attention_with_sinks_scale_and_wider_values(monkeypatch, causal):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5)
     assert np.max(np.abs(np.asarray(g_ours[3]))) > 1e-3  # the sinks do get a gradient
 
+
+
+@pytest.mark.parametrize("window", [None, 7])
+def test_fused_attention_path_matches_attention_core(monkeypatch, window):
+    """The GPU fast path (`jax.nn.dot_product_attention`, cuDNN on a GPU) gets the same masks as today's
+    kernel: forced here with implementation="xla", which runs on CPU, it matches `attention_core`'s values
+    and gradients in fp32 for GQA + causal + packed segments + left padding + a sliding window (the
+    `window` hint on, the window also folded into the mask as models/decoder.py builds it)."""
+    monkeypatch.setattr(layers, "CAUSAL_CHUNK", 16)
+    B, T, N, K, H = 2, 40, 6, 2, 8
+    keys = jax.random.split(jax.random.PRNGKey(3), 4)
+    q, w = (jax.random.normal(kk, (B, T, N, H)) for kk in keys[:2])
+    k, v = (jax.random.normal(kk, (B, K, T, H)) for kk in keys[2:])  # head-major, the KV-cache layout
+    seg = np.ones((B, T), np.int32)
+    seg[0, 17:] = 2  # two packed sequences in row 0
+    seg[1, :6] = 0  # left padding in row 1
+    seg = jnp.asarray(seg)
+    idx = jnp.arange(T)
+    mask = (idx[None, :, None] >= idx[None, None, :]) & (seg[:, :, None] == seg[:, None, :]) & (seg[:, :, None] > 0)
+    if window is not None:
+        mask = mask & (idx[None, :, None] - idx[None, None, :] < window)
+    real = (seg > 0)[:, :, None, None]  # padding queries' outputs are don't-care
+    assert layers.attention_impl(q, k, v, causal=True, sinks=None, impl="xla") == "xla"
+    assert layers.attention_impl(q, k, v, causal=True, sinks=None) == "core"  # CPU default: today's kernel
+    assert layers.attention_impl(q, k, v, causal=True, sinks=None, impl="cudnn") == "core"  # no GPU here
+    assert layers.attention_impl(q, k, v, causal=False, sinks=None, impl="xla") == "core"  # cached calls
+    assert layers.attention_impl(q, k, v, causal=True, sinks=jnp.zeros(N), impl="xla") == "core"  # GPT-OSS
+
+    def run(impl):
+        return lambda q, k, v: attention(q, k, v, mask, causal=True, window=window, impl=impl) * real
+
+    for impl in ("xla", "core"):  # the environment switch reaches the same kernels
+        monkeypatch.setenv("FORGELINE_ATTENTION", impl)
+        np.testing.assert_allclose(np.asarray(attention(q, k, v, mask, causal=True) * real),
+                                   np.asarray(run(impl)(q, k, v)), atol=0)
+    np.testing.assert_allclose(np.asarray(run("xla")(q, k, v)), np.asarray(run("core")(q, k, v)), atol=2e-6)
+    loss = lambda fn: (lambda q, k, v: jnp.sum(fn(q, k, v) * w))
+    g_fused = jax.jit(jax.grad(loss(run("xla")), argnums=(0, 1, 2)))(q, k, v)
+    g_core = jax.jit(jax.grad(loss(run("core")), argnums=(0, 1, 2)))(q, k, v)
+    for a, b in zip(g_fused, g_core, strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
 
 def test_partial_rope_rotates_only_the_first_dims():
     """GLM-4.5 (docs/models/glm4-moe.md): cos/sin over d < H rotate the first d dims of each head; the rest
