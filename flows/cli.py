@@ -136,6 +136,7 @@ def _preflight(recipe: str, overrides: list[str], store: str, allow_weaker_gates
             check_workers(cfg.execution, cfg.resources, list(STAGES))
         except StageRunFailed as e:
             _fail(str(e), 2)
+        _check_fits(cfg)
     else:
         _check_meshes(cfg)  # with workers, each stage's mesh is checked on its worker, against its devices
     return cfg
@@ -159,6 +160,56 @@ def _check_meshes(cfg) -> None:
         if m.fsdp is not None and fixed * m.fsdp != n:
             _fail(f"{section}.mesh: data {m.data} x fsdp {m.fsdp} x tensor {m.tensor} x expert {m.expert} needs "
                   f"{fixed * m.fsdp} devices; this machine has {n}", 2)
+
+
+def _base_config(cfg) -> dict:
+    """The base's config.json: base.url's, or the scratch base's (the data's tokenizer vocabulary)."""
+    import json
+
+    import storage
+    from tasks.base_model import shape_config
+
+    if cfg.base.url is None:
+        return shape_config(cfg.base.model, vocab_size=cfg.base.data.vocab_size).to_hf("float32")
+    return json.loads(storage.read_bytes(storage.join(cfg.base.url, "config.json")))
+
+
+def _check_fits(cfg) -> None:
+    """The fine-tune against its workers' accelerators (`resources.finetune.accelerator_memory_gib`, when set):
+    the capacity planner compiles the step the stage will run (its mode, mesh, batch, sequence length, remat and
+    dtypes; fp32 parameters, as the stage loads them) on abstract arrays over as many fake devices, so a
+    fine-tune that cannot fit fails here, in seconds, with the numbers (tasks/training/plan.py)."""
+    import json
+    import tempfile
+
+    from tasks.training.plan import GIB, run_in_subprocess
+
+    res, ft = cfg.resources.finetune, cfg.finetune
+    if res.accelerator_memory_gib is None or res.accelerators == 0:
+        return
+    m, devices = ft.train.mesh, res.accelerators * res.hosts
+    mesh = f"data={m.data},tensor={m.tensor},expert={m.expert}" + (f",fsdp={m.fsdp}" if m.fsdp else "")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "config.json")
+        with open(path, "w") as f:
+            json.dump(_base_config(cfg), f)
+        argv = [path, "--json", "--mode", ft.mode, "--devices", str(devices), "--hosts", str(res.hosts),
+                "--device-memory", str(res.accelerator_memory_gib), "--seq-len", str(cfg.data.seq_len),
+                "--global-batch", str(ft.train.batch_size), "--grad-accum", str(ft.train.grad_accum),
+                "--param-dtype", "float32", "--compute-dtype", ft.train.compute_dtype, "--remat", ft.train.remat,
+                "--optimizer", ft.train.optimizer, "--lora-rank", str(ft.lora_rank), "--lora-targets",
+                ",".join(ft.lora_targets), "--mesh", mesh, "--compile", "1"]
+        proc = run_in_subprocess(argv, timeout=900, capture=True)
+    if proc.returncode == 2 or not proc.stdout.strip():
+        _fail(f"resources.finetune: the capacity planner failed: "
+              f"{(proc.stderr.strip().splitlines() or ['no output'])[-1].removeprefix('error: ')}", 2)
+    plan = json.loads(proc.stdout)
+    if not plan["fits"]:
+        b = plan["bytes_per_device"]
+        parts = ", ".join(f"{k} {b[k] / GIB:.2f}" for k in ("params", "frozen", "grads", "optimizer", "temp"))
+        _fail(f"finetune does not fit: {b['total'] / GIB:.2f} GiB per device > resources.finetune."
+              f"accelerator_memory_gib {res.accelerator_memory_gib:g} ({parts} GiB; mesh {mesh}, {devices} "
+              f"devices); lower finetune.train.batch_size, set finetune.train.remat, or add accelerators", 2)
 
 
 def _check_quantize(cfg) -> None:

@@ -92,6 +92,9 @@ class CalibrationConfig(BaseModel):
     batch_size: int = Field(8, ge=1)
     min_tokens: int = Field(2048, ge=1)  # fewer real (non-padding) calibration tokens is an error
     seed: int = 0
+    expert_chunk: int = Field(8, ge=1)  # MoE: experts whose Hessians are built and held at once (chunk x in² floats)
+
+
 class QuantizeConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -279,6 +282,8 @@ class StageResources(BaseModel):
     accelerators: int = Field(0, ge=0, le=64)  # GPUs per host; 0: a CPU node
     hosts: int = Field(1, ge=1, le=4096)  # > 1: the stage runs as one gang of `hosts` JAX processes
     memory_gib: int | None = Field(None, ge=1)
+    # memory of one accelerator: the capacity planner checks the fine-tune against it before a release starts
+    accelerator_memory_gib: float | None = Field(None, gt=0)
     cpus: int | None = Field(None, ge=1)
     pool: str | None = None  # the work pool; None: execution.gpu_pool or execution.cpu_pool by `accelerators`
     image: str | None = None

@@ -104,7 +104,7 @@ def error_plot_svg(rows: list[dict[str, Any]], title: str) -> str:
 def quantize(cfg: QuantizeConfig, model_path: Path, data_dir: Path, out_dir: Path) -> dict[str, Any]:
     batches = calibration_batches(data_dir, cfg.calibration)
     opts = quant.Options(dampening_frac=cfg.dampening_frac, expert_min_tokens=cfg.expert_min_tokens,
-                         awq_grid=cfg.awq_grid)
+                         awq_grid=cfg.awq_grid, expert_chunk=cfg.calibration.expert_chunk)
     stats: dict[str, Any] = {}
     for name in cfg.schemes:
         scheme = quant.parse_scheme(name)

@@ -6,12 +6,16 @@ The folds, as llm-compressor's `modifiers/awq/mappings.py` pairs a smoothing op 
 balances: the RMSNorm before q/k/v (or MLA's q_a / kv_a projections) and before the MLP or experts (the
 routers get the inverse scale, so routing is unchanged), MLA's q_a / kv_a norms, and the up projection
 before each down projection (SwiGLU only). The attention output projection has no foldable predecessor
-under GQA and is quantized by RTN, as AutoAWQ does. See docs/quantization.md.
+under GQA and is quantized by RTN, as AutoAWQ does. MoE experts' Hessians arrive chunk by chunk
+(models/quant/calibration.py `ExpertStats`): the experts' shared gate/up scale sums each candidate's loss
+over the chunks (`_grid_search_chunked`, the candidates and loss of `awq_search`), and the per-expert
+down_proj scales are searched chunk by chunk. See docs/quantization.md.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import itertools
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import jax.numpy as jnp
@@ -21,8 +25,8 @@ from flax import nnx
 from models.layers import Linear, RMSNorm
 from models.moe import Experts
 from models.quant import quantizers as Q
-from models.quant.calibration import Stats
-from models.quant.schemes import Options, Scheme
+from models.quant.calibration import ExpertStats, Stats
+from models.quant.schemes import IntArgs, Options, Scheme
 from models.quant.targets import Unit, _module
 
 
@@ -46,7 +50,7 @@ def _hf(lin: Linear) -> np.ndarray:
     return np.asarray(lin.kernel[...], np.float32).T  # [out, in]
 
 
-def awq_layer(layer: nnx.Module, i: int, stats: dict[str, Stats], units: Sequence[Unit], scheme: Scheme,
+def awq_layer(layer: nnx.Module, i: int, stats: dict[str, Stats | ExpertStats], units: Sequence[Unit], scheme: Scheme,
               opts: Options) -> list[dict[str, Any]]:
     """Search and fold AWQ scales for decoder layer i in place; update `stats` to the scaled inputs.
     Returns one row per folded group (where to, the best loss vs plain RTN's)."""
@@ -92,7 +96,7 @@ def awq_layer(layer: nnx.Module, i: int, stats: dict[str, Stats], units: Sequenc
     if hasattr(mlp, "gate_proj"):  # dense SwiGLU
         _mlp_groups(linear_group, f"{pre}.mlp", mlp, norm_post)
     elif hasattr(mlp, "experts"):
-        rows += _awq_moe(mlp, f"{pre}.mlp", stats, quantized, norm_post, linear_group, search)
+        rows += _awq_moe(mlp, f"{pre}.mlp", stats, quantized, norm_post, linear_group, search, scheme, opts)
     return rows
 
 
@@ -102,11 +106,31 @@ def _mlp_groups(linear_group: Any, prefix: str, mlp: nnx.Module, before: Any) ->
     linear_group(f"{prefix}.up_proj", lambda s: _scale_out(mlp.up_proj, s), [f"{prefix}.down_proj"])
 
 
-def _awq_moe(moe: nnx.Module, prefix: str, stats: dict[str, Stats], quantized: set[str], norm_post: Any,
-             linear_group: Any, search: Any) -> list[dict[str, Any]]:
+def _grid_search_chunked(pair_chunks: Iterable[list[tuple[np.ndarray, np.ndarray]]], absmean: np.ndarray,
+                         args: IntArgs, grid: int) -> tuple[np.ndarray, float, float]:
+    """`Q.awq_search` over pairs that arrive in chunks (each chunk's Hessians built, used for every grid
+    point, then dropped): the same candidate scales s_r = x_absmean**r, the loss Σ over all pairs summed
+    chunk by chunk. Returns (best s [in], its loss, the loss at s = 1, i.e. plain RTN)."""
+    xm = jnp.asarray(absmean, jnp.float32).reshape(-1)
+    scales = []
+    for k in range(grid):  # the candidates exactly as Q.awq_search computes them
+        s = jnp.maximum(xm ** jnp.float32(k / grid), 1e-4)
+        scales.append(s / jnp.sqrt(jnp.max(s) * jnp.min(s)))
+    losses = np.zeros(grid)
+    for pairs in pair_chunks:
+        if pairs:
+            pj, n = Q._awq_pairs(pairs, args)  # on the device once per chunk, for every candidate
+            losses += [float(Q._awq_loss(pj, s, **Q._static(args, n))) for s in scales]
+    best = int(np.argmin(losses))  # the first minimum, as Q.awq_search keeps the first strictly better loss
+    return np.asarray(scales[best], np.float32), float(losses[best]), float(losses[0])  # r = 0: s = 1
+
+
+def _awq_moe(moe: nnx.Module, prefix: str, stats: dict[str, Stats | ExpertStats], quantized: set[str],
+             norm_post: Any, linear_group: Any, search: Any, scheme: Scheme, opts: Options) -> list[dict[str, Any]]:
     """AWQ for an MoE block: one scale for everything reading the normed input (all experts' gate/up,
     the shared experts' gate/up), folded into post_attention_layernorm with the router compensated; then
-    per expert, a scale for down_proj folded into that expert's up projection (SwiGLU experts only)."""
+    per expert, a scale for down_proj folded into that expert's up projection (SwiGLU experts only).
+    The experts' Hessians come chunk by chunk (`ExpertStats.chunks`), never all at once."""
     ex: Experts = moe.experts
     name = f"{prefix}.experts"
     shared = getattr(moe, "shared_experts", None)
@@ -114,15 +138,18 @@ def _awq_moe(moe: nnx.Module, prefix: str, stats: dict[str, Stats], quantized: s
     rows: list[dict[str, Any]] = []
     if name not in quantized or f"{name}.gate_up" not in stats:
         return rows
-    st = stats[f"{name}.gate_up"]
+    st: ExpertStats = stats[f"{name}.gate_up"]
     gu = np.array(ex.gate_up[...], np.float32)  # [E, D, 2I] (a writable copy)
-    pairs = [(gu[e].T, st.H[e]) for e in range(ex.num_experts) if st.n[e] > 0]
     shared_names = [n for n in (f"{sh}.gate_proj", f"{sh}.up_proj") if n in quantized and n in stats]
-    if shared is not None and shared_names:
-        pairs += [(_hf(getattr(shared, n.rsplit(".", 1)[1])), stats[n].H) for n in shared_names]
+    shared_pairs = [(_hf(getattr(shared, n.rsplit(".", 1)[1])), stats[n].H) for n in shared_names] \
+        if shared is not None else []
     pooled = st.pooled()
-    if pairs and pooled.n > 0:
-        s, loss, rtn_loss = search(pairs, pooled.absmean())
+    if pooled.n > 0:  # then some expert has tokens, so there is something to search over
+        # every expert of a chunk takes part (an expert without tokens has H = 0: it adds no loss), so each
+        # chunk has the same pairs' structure and the loss compiles once
+        expert_chunks = ([(gu[e].T, H[e - c0]) for e in range(c0, c1)] for c0, c1, H in st.chunks())
+        s, loss, rtn_loss = _grid_search_chunked(itertools.chain(expert_chunks, [shared_pairs]), pooled.absmean(),
+                                                 scheme.args, opts.awq_grid)
         ex.gate_up[...] = jnp.asarray(gu * s[None, :, None], ex.gate_up[...].dtype)
         if shared is not None:  # the shared experts read the same normed input: scaled too, quantized or not
             _scale_in(shared.gate_proj, s)
@@ -133,28 +160,29 @@ def _awq_moe(moe: nnx.Module, prefix: str, stats: dict[str, Stats], quantized: s
         router = getattr(moe, moe.router_name)
         router.weight[...] = (router.weight[...].astype(jnp.float32) * jnp.asarray(s)[None, :]
                               ).astype(router.weight[...].dtype)  # router input x/s, weights W s: same logits
-        stats[f"{name}.gate_up"] = Stats(st.H / (s[:, None] * s[None, :])[None], st.abs_sum / s[None], st.n)
+        stats[f"{name}.gate_up"] = st.scaled(s)
         rows.append({"fold": f"{prefix} post_attention_layernorm (+ router)", "modules": [name, *shared_names],
                      "loss": loss, "rtn_loss": rtn_loss})
     if ex.activation == "silu" and f"{name}.down_proj" in stats:
-        sd = stats[f"{name}.down_proj"]
+        sd: ExpertStats = stats[f"{name}.down_proj"]
         I = ex.intermediate_size
         gu = np.array(ex.gate_up[...], np.float32)
         down = np.array(ex.down[...], np.float32)  # [E, I, D]
-        H, A = sd.H.copy(), sd.abs_sum.copy()
+        scales = np.ones((ex.num_experts, I), np.float32)  # [E, I]: 1 where an expert has no tokens
+        absmean = sd.absmean()  # [E, I]
         total, total_rtn = 0.0, 0.0
-        for e in range(ex.num_experts):
-            if sd.n[e] <= 0:
-                continue
-            s, loss, rtn_loss = search([(down[e].T, sd.H[e])], sd.absmean()[e])
-            down[e] *= s[:, None]
-            gu[e, :, I:] /= s[None, :]  # up's output channels (gate's stay): h = silu(gate) · up / s
-            H[e] = sd.H[e] / (s[:, None] * s[None, :])
-            A[e] = sd.abs_sum[e] / s
-            total, total_rtn = total + loss, total_rtn + rtn_loss
+        for c0, c1, H in sd.chunks():  # H [c1 - c0, I, I]
+            for e in range(c0, c1):
+                if sd.n[e] <= 0:
+                    continue
+                s, loss, rtn_loss = search([(down[e].T, H[e - c0])], absmean[e])
+                down[e] *= s[:, None]
+                gu[e, :, I:] /= s[None, :]  # up's output channels (gate's stay): h = silu(gate) · up / s
+                scales[e] = s
+                total, total_rtn = total + loss, total_rtn + rtn_loss
         ex.gate_up[...] = jnp.asarray(gu, ex.gate_up[...].dtype)
         ex.down[...] = jnp.asarray(down, ex.down[...].dtype)
-        stats[f"{name}.down_proj"] = Stats(H, A, sd.n)
+        stats[f"{name}.down_proj"] = sd.scaled(scales)
         rows.append({"fold": f"{name}.*.up_proj", "modules": [f"{name}.*.down_proj"], "loss": total,
                      "rtn_loss": total_rtn})
     if shared is not None:

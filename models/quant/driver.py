@@ -8,9 +8,12 @@
 Per decoder layer: collect the calibration statistics (models/quant/calibration.py), fold AWQ scales
 (models/quant/awq.py), quantize every selected module (models/quant/targets.py) by FP8 blocks, GPTQ
 (arXiv:2210.17323) or RTN (models/quant/quantizers.py), then feed the quantized layer's output on. An
-expert with fewer than `expert_min_tokens` routed tokens falls back to the layer's statistics pooled over
-all its experts (reported per expert); every selected module must come out quantized. The report has one
-row per module: method, tokens, relative weight and output error. See docs/quantization.md.
+expert stack is quantized `expert_chunk` experts at a time: the chunk's Hessians are built
+(`ExpertStats.chunks`), each expert GPTQ'd, and the chunk dropped, so no more than expert_chunk × in²
+Hessian floats are held. An expert with fewer than `expert_min_tokens` routed tokens falls back to the
+layer's statistics pooled over all its experts (the pooled H comes from the calibration forward, ready
+before the first chunk; reported per expert); every selected module must come out quantized. The report
+has one row per module: method, tokens, relative weight and output error. See docs/quantization.md.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from models.layers import Linear, hf_name
 from models.moe import Experts
 from models.quant import quantizers as Q
 from models.quant.awq import awq_layer
-from models.quant.calibration import Stats, _layer_forward, calibration_tokens, collect_stats
+from models.quant.calibration import ExpertStats, Stats, _layer_forward, calibration_tokens, collect_stats
 from models.quant.schemes import FP8_BLOCK, Options, Scheme, parse_scheme
 from models.quant.state import QMatrix, set_experts, set_linear
 from models.quant.targets import Unit, check_supported, is_quantized, quant_units
@@ -78,7 +81,7 @@ def _row(name: str, w: np.ndarray, qm: QMatrix, stats: Stats | None, scheme: Sch
 # ------------------------------------------------------------------------------------------------
 
 
-def _quantize_unit(unit: Unit, stats: dict[str, Stats], scheme: Scheme, opts: Options,
+def _quantize_unit(unit: Unit, stats: dict[str, Stats | ExpertStats], scheme: Scheme, opts: Options,
                    awq_folded: set[str] = frozenset()) -> list[dict[str, Any]]:
     if isinstance(unit.module, Linear):
         w = np.asarray(unit.module.weight(), np.float32).T  # [out, in], LoRA folded in
@@ -88,24 +91,29 @@ def _quantize_unit(unit: Unit, stats: dict[str, Stats], scheme: Scheme, opts: Op
         return [_row(unit.name, w, qm, st, scheme, *_label(unit.name, how, st, scheme, awq_folded))]
     ex: Experts = unit.module
     gu, down = (np.asarray(a, np.float32) for a in ex.weights())  # [E, D, 2I], [E, I, D]
-    I = ex.intermediate_size
+    I, E = ex.intermediate_size, ex.num_experts
     rows: list[dict[str, Any]] = []
     mats: dict[str, list[QMatrix]] = {"gate_proj": [], "up_proj": [], "down_proj": []}
     for key, parts in (("gate_up", (("gate_proj", gu[:, :, :I]), ("up_proj", gu[:, :, I:]))),
                        ("down_proj", (("down_proj", down),))):
-        st_all = stats.get(f"{unit.name}.{key}")
-        pooled = st_all.pooled() if st_all is not None else None
-        for e in range(ex.num_experts):
-            st = None if st_all is None else Stats(st_all.H[e], st_all.abs_sum[e], st_all.n[e])
-            fallback = st is not None and st.n < opts.expert_min_tokens and pooled is not None and pooled.n > 0
-            for part, stack in parts:
-                w = stack[e].T  # [out, in]
-                qm, how = quantize_matrix(w, pooled if fallback else st, scheme, opts)
-                how, note = _label(unit.name, how, pooled if fallback else st, scheme, awq_folded)
-                if fallback and scheme.method == "gptq":
-                    note = f"{int(st.n)} routed tokens < expert_min_tokens {opts.expert_min_tokens}: pooled experts' H"
-                mats[part].append(qm)
-                rows.append(_row(f"{unit.name}.{e}.{part}", w, qm, st, scheme, how, note))
+        st_all: ExpertStats | None = stats.get(f"{unit.name}.{key}")
+        pooled = st_all.pooled() if st_all is not None else None  # ready before any chunk: the fallback's H
+        # experts' Hessians chunk by chunk (opts.expert_chunk of them at a time), dropped after their GPTQ
+        chunks = st_all.chunks(opts.expert_chunk) if st_all is not None else [(0, E, None)]
+        for c0, c1, H in chunks:  # H [c1 - c0, in, in] or None
+            for e in range(c0, c1):
+                st = None if H is None else st_all.expert(e, H[e - c0])
+                fallback = st is not None and st.n < opts.expert_min_tokens and pooled is not None and pooled.n > 0
+                for part, stack in parts:
+                    w = stack[e].T  # [out, in]
+                    qm, how = quantize_matrix(w, pooled if fallback else st, scheme, opts)
+                    how, note = _label(unit.name, how, pooled if fallback else st, scheme, awq_folded)
+                    if fallback and scheme.method == "gptq":
+                        note = (f"{int(st.n)} routed tokens < expert_min_tokens {opts.expert_min_tokens}: "
+                                "pooled experts' H")
+                    mats[part].append(qm)
+                    rows.append(_row(f"{unit.name}.{e}.{part}", w, qm, st, scheme, how, note))
+            H = st = None  # the chunk's Hessians (st holds a view) go before the next chunk's are built
     set_experts(ex, mats["gate_proj"], mats["up_proj"], mats["down_proj"], scheme.kind, scheme.bits)
     return rows
 
@@ -151,7 +159,8 @@ def quantize_model(model: nnx.Module, scheme: Scheme, batches: Sequence[tuple[np
     awq_rows: list[dict[str, Any]] = []
     for i in range(L):
         layer_units = [u for u in units if u.layer == i]
-        stats = collect_stats(model, xs, segs, i, layer_units) if layer_units else {}
+        stats = collect_stats(model, xs, segs, i, layer_units, expert_chunk=opts.expert_chunk) if layer_units \
+            else {}
         if scheme.method == "awq":
             awq_rows += awq_layer(model.layers[i], i, stats, layer_units, scheme, opts)
         folded = {m for r in awq_rows for m in r["modules"]}

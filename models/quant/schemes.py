@@ -92,8 +92,14 @@ def parse_scheme(name: str) -> Scheme:
 
 @dataclasses.dataclass
 class Options:
-    """The algorithms' knobs: GPTQ damping, the per-expert token floor, the AWQ grid size."""
+    """The algorithms' knobs: GPTQ damping, the per-expert token floor, the AWQ grid size, and how many
+    experts' Hessians calibration builds and holds at once (models/quant/calibration.py `ExpertStats`)."""
 
     dampening_frac: float = 0.01
     expert_min_tokens: int = 16  # fewer routed tokens: GPTQ on the layer's pooled expert statistics
     awq_grid: int = 20
+    expert_chunk: int = 8  # experts per Hessian chunk: peak expert-Hessian memory is expert_chunk x in² floats
+
+    def __post_init__(self) -> None:
+        if self.expert_chunk < 1:
+            raise ValueError(f"expert_chunk must be >= 1, got {self.expert_chunk}")

@@ -215,3 +215,22 @@ def test_bad_input_is_one_error_line(args, message):
     assert proc.returncode == 2, (proc.returncode, proc.stderr)
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(message), proc.stderr
+
+
+def test_a_recipe_whose_finetune_cannot_fit_fails_before_the_release(capsys):
+    """`resources.finetune.accelerator_memory_gib` set: the preflight plans the stage's own step (mode, mesh,
+    batch, sequence length) on as many fake devices and refuses a fine-tune that cannot fit, with the numbers."""
+    import typer
+
+    from flows.cli import _check_fits
+    from tasks.recipe import load_release
+
+    sets = ["resources.finetune.accelerators=4", "resources.finetune.hosts=2"]
+    with pytest.raises(typer.Exit) as e:
+        _check_fits(load_release("tiny", [*sets, "resources.finetune.accelerator_memory_gib=0.001"]))
+    assert e.value.exit_code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: finetune does not fit: "), err
+    assert "accelerator_memory_gib 0.001" in err[0] and "8 devices" in err[0] and "temp" in err[0]
+    _check_fits(load_release("tiny", [*sets, "resources.finetune.accelerator_memory_gib=8"]))  # fits: no error
+    _check_fits(load_release("tiny", sets))  # no accelerator memory given: nothing to check
