@@ -191,7 +191,7 @@ def train_draft(cfg: DraftConfig, target_dir: Path, traces_dir: Path, out_dir: P
              n_params / 1e6, "online" if online else "offline", aux_ids)
     metrics = fit(trainer, traces_dir, checkpoints=checkpoints, progress=progress, label="draft",
                   logdir=out_dir / "tensorboard", loader=TraceBatches)
-    trained = trainer.model()
+    trained = trainer.model(gather=True)  # step_accuracy and the exports read it whole on every host
     valid = TraceBatches(traces_dir, "valid", cfg.train.batch_size, shuffle=False)
     acc = step_accuracy(trained, valid, cfg.train.eval_batches)
     dest = out_dir / "draft"

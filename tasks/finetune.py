@@ -11,6 +11,7 @@ checkpoint under `<store>/checkpoints/finetune/<fingerprint>/` after a crash or 
 from __future__ import annotations
 
 import logging
+import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -59,11 +60,16 @@ def finetune(
     metrics = fit(trainer, data_dir, checkpoints=checkpoints, progress=progress, label=f"finetune[{cfg.mode}]",
                   logdir=out_dir / "tensorboard")
     model = trainer.model()
-    if is_primary():  # multi-host: every process holds the gathered model; one writes it, a tensor at a time
-        if cfg.mode == "lora":
-            lora.save_peft_adapter(model, str(out_dir / "adapter"), base_model_name_or_path=base_name)
-            lora.merge_lora(model)
-        save_model_dir(model, out_dir / "model", data_dir)
+    # multi-host: every process takes part in writing (the tensors of a sharded model are gathered by all of
+    # them, written by one: models/hf.py, save_pretrained); `save_pretrained` folds the LoRA factors into the
+    # weights it writes, so the model needs no merge_lora (op by op, outside the save's one-program-at-a-time
+    # order) first
+    if cfg.mode == "lora":
+        with tempfile.TemporaryDirectory(prefix="finetune-adapter-") as scratch:
+            # the factors are gathered by every process; process 0's copy is the output
+            dest = out_dir / "adapter" if is_primary() else Path(scratch) / "adapter"
+            lora.save_peft_adapter(model, str(dest), base_model_name_or_path=base_name)
+    save_model_dir(model, out_dir / "model", data_dir)
     return {**metrics, "mode": cfg.mode, "trainable_params": int(n_trainable)}
 
 

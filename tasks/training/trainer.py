@@ -243,10 +243,12 @@ class Trainer:
             count += float(ntok)
         return total / max(count, 1.0)
 
-    def model(self) -> nnx.Module:
-        """The trained model (eval mode). Multi-host: gathered so that every process holds all of it."""
+    def model(self, gather: bool = False) -> nnx.Module:
+        """The trained model (eval mode), its state as sharded on the mesh: models.hf.save_pretrained writes it
+        without gathering (in a multi-host job every process takes part, the save is a collective).
+        `gather=True`: every process holds all of it, for code that reads the model whole on each host."""
         state = (self.params, self.rng_state, self.frozen)
-        if jax.process_count() > 1:
+        if gather and jax.process_count() > 1:
             state = jax.jit(lambda *t: t, out_shardings=NamedSharding(self.mesh, PartitionSpec()))(*state)
         model = nnx.merge(self.eval_graphdef, *state)
         if isinstance(model, DecoderLM):

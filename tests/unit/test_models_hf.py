@@ -89,6 +89,61 @@ def test_sharded_save_and_tied_omits_lm_head(tmp_path):
     assert not any(fn.startswith("model-") for fn in os.listdir(tmp_path))
 
 
+def test_a_module_export_is_computed_once_per_save_and_planned_without_tracing_it_again(tmp_path, monkeypatch):
+    """Streamed saving computes one MoE layer's expert tensors together (all of them, once), and plans the
+    files from the shapes `hf_tensors` recorded: one abstract evaluation per module, not one per tensor."""
+    from models.moe import Experts
+    from models.qwen3_moe import Qwen3Moe, Qwen3MoeConfig
+
+    calls: list[bool] = []  # True: abstract (traced), False: concrete
+    export = Experts.hf_export
+
+    def counted(self):
+        out = export(self)
+        calls.append(isinstance(next(iter(out.values())), jax.core.Tracer))
+        return out
+
+    monkeypatch.setattr(Experts, "hf_export", counted)
+    model = Qwen3Moe(Qwen3MoeConfig.tiny(), rngs=nnx.Rngs(0))
+    layers = sum(isinstance(m, Experts) for _, m in nnx.iter_graph(model))
+    save_pretrained(model, str(tmp_path), max_shard_bytes=50_000)
+    assert layers == 2 and calls.count(False) == layers and calls.count(True) == layers
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+
+
+def test_files_are_spread_over_the_writing_processes_by_bytes():
+    """In file order, each file to the process with the fewest bytes so far: one file is process 0's."""
+    from models.hf import _assign_files
+
+    assert _assign_files([5], 2) == [0]
+    assert _assign_files([10, 10, 10, 10], 2) == [0, 1, 0, 1]
+    assert _assign_files([100, 10, 10, 10], 2) == [0, 1, 1, 1]
+    assert _assign_files([10, 10, 10], 1) == [0, 0, 0]
+
+
+def test_a_tensor_written_in_row_blocks_is_the_tensor_written_whole(tmp_path):
+    """`SafetensorsWriter.write_parts` (a gathered tensor's shards along its first axis, in order) writes the
+    bytes `write` does, and refuses parts that do not add up to the tensor."""
+    from models.hf import SafetensorsWriter
+
+    a = np.arange(24, dtype=np.float32).reshape(6, 4)
+    entries = [("a", (6, 4), np.dtype(np.float32))]
+    whole = SafetensorsWriter(str(tmp_path / "whole.safetensors"), entries, {"format": "pt"})
+    whole.write("a", a)
+    whole.close()
+    parts = SafetensorsWriter(str(tmp_path / "parts.safetensors"), entries, {"format": "pt"})
+    parts.write_parts("a", (6, 4), np.float32, iter([a[:2], a[2:4], a[4:]]))
+    parts.close()
+    assert (tmp_path / "whole.safetensors").read_bytes() == (tmp_path / "parts.safetensors").read_bytes()
+    short = SafetensorsWriter(str(tmp_path / "short.safetensors"), entries, {"format": "pt"})
+    with pytest.raises(ValueError, match="a: 32 bytes never written"):
+        short.write_parts("a", (6, 4), np.float32, iter([a[:2], a[2:4]]))
+    with pytest.raises(ValueError, match="expected a float32"):
+        SafetensorsWriter(str(tmp_path / "x.safetensors"), entries, {"format": "pt"}).write_parts(
+            "a", (6, 4), np.float16, iter([a.astype(np.float16)]))
+
+
 def test_remote_checkpoints_are_read_by_ranges_never_copied_whole(saved, tmp_path, monkeypatch):
     """A checkpoint at a URL (memory:// here, s3:// in tests/integration) loads through ranged reads of its
     files: no download of the folder, and every byte counted once. Saving goes through storage.upload_dir."""
