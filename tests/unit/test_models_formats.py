@@ -91,3 +91,31 @@ def test_dequantizing_checkpoint_view():
     with pytest.raises(ValueError) as e:
         broken["model.layers.0.mlp.gate_proj.weight"]
     assert "model.layers.0.mlp.gate_proj.weight_scale_inv" in str(e.value) and "\n" not in str(e.value)
+
+
+def test_sliced_reads_dequantize_only_their_tiles(tmp_path):
+    """A sharded load's path: `view(name).read(slice)` of an FP8-block weight equals the whole dequantisation's
+    slice, and reads the slice's codes plus the scale tiles it overlaps, not the whole weight."""
+    import safetensors.numpy
+
+    from models.hf import SafetensorsCheckpoint
+
+    rng = np.random.default_rng(3)
+    M, N = 300, 260  # edge tiles on both axes
+    w = rng.normal(size=(M, N)).astype(ml_dtypes.float8_e4m3fn)
+    s = rng.uniform(0.5, 2.0, size=(3, 3)).astype(np.float32)
+    name = "model.layers.0.mlp.gate_proj.weight"
+    safetensors.numpy.save_file({name: w, name + "_scale_inv": s}, str(tmp_path / "model.safetensors"))
+    ckpt = SafetensorsCheckpoint(str(tmp_path))
+    view = DequantizingCheckpoint(ckpt).view(name)
+    whole = dequant_fp8_block(w, s)
+    for index in (((0, M), (0, N)), ((100, 200), (120, 260)), ((256, 300), (0, 1)), ((127, 129), (127, 129))):
+        before = ckpt.bytes_read
+        np.testing.assert_array_equal(view.read(index), whole[tuple(slice(a, b) for a, b in index)])
+        (m0, m1), (n0, n1) = index
+        assert ckpt.bytes_read - before <= (m1 - m0) * N + 9 * 4 + 4096, index  # whole rows of codes at most
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    safetensors.numpy.save_file({name: w, name + "_scale_inv": s[:2]}, str(broken / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"model.safetensors: tensor .*weight_scale_inv: weight_scale_inv has shape"):
+        DequantizingCheckpoint(SafetensorsCheckpoint(str(broken))).view(name)

@@ -100,3 +100,25 @@ def test_blocks_scales_shape_mismatch_raises(scales_shape):
         dequant_mxfp4(blocks, np.zeros(scales_shape, np.uint8))
     with pytest.raises(AssertionError):  # transformers rejects the same pairs
         reference(blocks, np.zeros(scales_shape, np.uint8))
+
+
+def test_sliced_reads_decode_only_their_groups(tmp_path):
+    """A sharded load's path: `view(name).read(slice)` equals the whole decode's slice, bit for bit, and reads
+    only the bytes of the 32-value groups the slice overlaps (counted by the checkpoint)."""
+    rng = np.random.default_rng(2)
+    E, D, I = 4, 128, 64
+    blocks, scales = random_packed(rng, (E, 2 * I), D // 32, 110, 135)  # [E, 2I (out), D/32, 16]
+    name = "model.layers.0.mlp.experts.gate_up_proj"
+    safetensors.numpy.save_file({name + "_blocks": blocks, name + "_scales": scales},
+                                str(tmp_path / "model.safetensors"))
+    ckpt = SafetensorsCheckpoint(str(tmp_path))
+    view = DequantizingCheckpoint(ckpt).view(name)
+    whole = reference(blocks, scales)  # [E, D, 2I]
+    assert view.shape == whole.shape and view.dtype == np.float32
+    for index in (((1, 3), (40, 100), (8, 72)), ((0, 4), (0, 128), (0, 128)), ((2, 3), (31, 33), (0, 1))):
+        before = ckpt.bytes_read
+        got = view.read(index)
+        np.testing.assert_array_equal(bits(got), bits(whole[tuple(slice(a, b) for a, b in index)]))
+        (e0, e1), (i0, i1), (o0, o1) = index
+        groups = -(-i1 // 32) - i0 // 32
+        assert ckpt.bytes_read - before <= (e1 - e0) * (o1 - o0) * groups * 17 + 4096, index  # 16 + 1 bytes a group

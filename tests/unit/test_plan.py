@@ -145,7 +145,8 @@ def test_state_bytes_are_the_compiled_programs_arguments():
         cfg, cls = family_config(raw)
         out = {}
         for mode in ("full", "lora"):
-            req = Request(config=raw, name="tiny", mode=mode, seq_len=64, global_batch=8, devices=8, param_dtype="float32")
+            req = Request(config=raw, name="tiny", mode=mode, seq_len=64, global_batch=8, devices=8,
+                          param_dtype="float32")
             run = compile_step(cfg, cls, req, MeshShape(data=1, fsdp=4, tensor=2, expert=1))
             out[mode] = {"argument": run["argument"], "exact": run["exact"]}
         print(json.dumps(out))

@@ -1,7 +1,8 @@
 """Dequantisation on load of published checkpoints: a {name: array} view that presents DeepSeek FP8
 block weights (models/quant/formats/deepseek_fp8.py) and GPT-OSS MXFP4 experts
 (models/quant/formats/mxfp4.py) as the float tensors transformers would hold after loading them
-(transformers `integrations/finegrained_fp8.py`, `integrations/mxfp4.py`).
+(transformers `integrations/finegrained_fp8.py`, `integrations/mxfp4.py`), whole (`view[name]`) or, for a
+sharded load, slice by slice (`view.view(name)`: only the bytes and the dequantisation a slice needs).
 
     view = DequantizingCheckpoint(SafetensorsCheckpoint(folder))
     view["model.layers.0.self_attn.q_a_proj.weight"]     # float32, scale_inv applied
@@ -17,7 +18,7 @@ from collections.abc import Iterator, Mapping
 import numpy as np
 
 from models import views
-from models.quant.formats.deepseek_fp8 import SCALE_INV_SUFFIX, dequant_fp8_block
+from models.quant.formats.deepseek_fp8 import FP8_BLOCK, SCALE_INV_SUFFIX, dequant_fp8_block
 from models.quant.formats.mxfp4 import dequant_mxfp4
 
 
@@ -87,14 +88,68 @@ class DequantizingCheckpoint(Mapping):
         getattr(self.base, "clear_cache", lambda: None)()
 
     def view(self, name: str) -> views.View:
-        """A lazy view: a plain tensor's own (slices read alone); a quantised one dequantised whole on first
-        read, then sliced."""
-        if name not in self.fp8 and name not in self.mxfp4 and hasattr(self.base, "view"):
-            return self.base.view(name)
-        return views.Computed(lambda: self[name], self.shape(name), np.float32)
+        """A lazy view, read slice by slice: a plain tensor's own; an FP8-block weight's slice times the scale
+        tiles it overlaps (`FP8BlockView`); an MXFP4 stack's slice from the 32-value groups it overlaps
+        (`MXFP4View`). Each process of a sharded load dequantises only the slices its devices hold."""
+        base_view = getattr(self.base, "view", None)
+        if base_view is None:  # an in-memory mapping: whole on first read
+            return views.Computed(lambda: self[name], self.shape(name), np.float32)
+        if name in self.fp8:
+            weight, scale = base_view(name), base_view(self.fp8[name])
+            try:
+                return FP8BlockView(weight, scale)
+            except ValueError as e:
+                raise ValueError(f"{self.path_of(name)}: tensor {self.fp8[name]}: {e}") from None
+        if name in self.mxfp4:
+            blocks, scales = (base_view(n) for n in self.mxfp4[name])
+            if blocks.shape[:-1] != scales.shape:
+                raise ValueError(f"{self.path_of(name)}: MXFP4 blocks {list(blocks.shape)} do not match scales "
+                                 f"{list(scales.shape)}")
+            return MXFP4View(blocks, scales)
+        return base_view(name)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.names)
 
     def __len__(self) -> int:
         return len(self.names)
+
+
+class FP8BlockView(views.View):
+    """A DeepSeek FP8-block weight [M, N] (float8_e4m3fn, one float32 `scale_inv` per 128 x 128 tile) as
+    float32, read by slice: the slice's codes times the scale tiles it overlaps (`dequant_fp8_block`'s math)."""
+
+    def __init__(self, weight: views.View, scale_inv: views.View, block: tuple[int, int] = (FP8_BLOCK, FP8_BLOCK)):
+        M, N = weight.shape
+        expected = (-(-M // block[0]), -(-N // block[1]))
+        if tuple(scale_inv.shape) != expected:
+            raise ValueError(f"weight_scale_inv has shape {list(scale_inv.shape)}, expected {list(expected)} "
+                             f"for a {[M, N]} weight in {block[0]}x{block[1]} blocks")
+        self.weight, self.scale_inv, self.block = weight, scale_inv, block
+        self.shape, self.dtype = (M, N), np.dtype(np.float32)
+
+    def read(self, index: views.Index) -> np.ndarray:
+        (m0, m1), (n0, n1) = index
+        bm, bn = self.block
+        t0, u0 = m0 // bm, n0 // bn
+        s = self.scale_inv.read(((t0, -(-m1 // bm)), (u0, -(-n1 // bn)))).astype(np.float32)  # the tiles
+        s = np.repeat(np.repeat(s, bm, axis=0), bn, axis=1)[m0 - t0 * bm: m1 - t0 * bm, n0 - u0 * bn: n1 - u0 * bn]
+        return self.weight.read(index).astype(np.float32) * s  # [m1 - m0, n1 - n0]
+
+
+class MXFP4View(views.View):
+    """A GPT-OSS MXFP4 stack, blocks [..., out, G, 16] uint8 + scales [..., out, G] (E8M0), as transformers'
+    float32 [..., in = 32 G, out], read by slice: only the 32-value groups the slice's `in` range overlaps."""
+
+    def __init__(self, blocks: views.View, scales: views.View):
+        *lead, out, groups, _ = blocks.shape
+        self.blocks, self.scales = blocks, scales
+        self.shape, self.dtype = (*lead, groups * 32, out), np.dtype(np.float32)
+
+    def read(self, index: views.Index) -> np.ndarray:
+        *lead, (i0, i1), (o0, o1) = index
+        g0, g1 = i0 // 32, -(-i1 // 32)
+        blocks = self.blocks.read((*lead, (o0, o1), (g0, g1), (0, 16)))  # [..., o, g, 16]
+        scales = self.scales.read((*lead, (o0, o1), (g0, g1)))  # [..., o, g]
+        values = dequant_mxfp4(blocks, scales)[..., i0 - g0 * 32: i1 - g0 * 32]  # [..., o, i]
+        return np.swapaxes(values, -1, -2)  # [..., i, o]
