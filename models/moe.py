@@ -23,6 +23,7 @@ R = T·k routed rows, G router groups.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from collections.abc import Callable
@@ -215,6 +216,46 @@ if DEFAULT_IMPL not in IMPLS:
     raise ValueError(f"FORGELINE_MOE_IMPL={DEFAULT_IMPL!r} (known: {', '.join(IMPLS)})")
 
 
+EP_VARIABLES = ("gate_up", "down", "gate_up_bias", "down_bias", "gate_up_lora_a", "gate_up_lora_b", "down_lora_a",
+                "down_lora_b")
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertParallel:
+    """How an expert stack is laid out on a mesh, for `Experts._expert_parallel`: the mesh, the batch axes the
+    token rows are split over, the mesh axes of the stacked-expert dimension, each variable's PartitionSpec,
+    and the capacity factor (None: dropless)."""
+
+    mesh: Any
+    rows: tuple[str, ...]
+    expert_axes: tuple[str, ...]
+    specs: tuple[tuple[str, Any], ...]
+    capacity_factor: float | None = None
+
+    @property
+    def expert_size(self) -> int:
+        return math.prod(self.mesh.shape[a] for a in self.expert_axes)
+
+    def usable(self, tokens: int) -> bool:
+        """The expert axes must split the batch too (the default rules), and the tokens divide evenly."""
+        shards = math.prod(self.mesh.shape[a] for a in self.rows)
+        return set(self.expert_axes) <= set(self.rows) and tokens % shards == 0
+
+    def spec(self, name: str) -> Any:
+        return dict(self.specs)[name]
+
+    def gather(self, name: str, a: jax.Array) -> jax.Array:
+        """Inside shard_map: this device's shard of variable `name`, all-gathered over every mesh axis that
+        splits it except the expert axes of its leading (expert) dimension."""
+        for dim, entry in enumerate(self.spec(name)):
+            axes = (entry,) if isinstance(entry, str) else tuple(entry or ())
+            if dim == 0:
+                axes = tuple(x for x in axes if x not in self.expert_axes)
+            if axes:
+                a = jax.lax.all_gather(a, axes, axis=dim, tiled=True)
+        return a
+
+
 class Experts(nnx.Module):
     """E SwiGLU experts, stacked: gate_up [E, D, 2I] (gate = first I columns, up = last I), down
     [E, I, D], optional biases gate_up_bias [E, 2I] and down_bias [E, D].
@@ -269,7 +310,7 @@ class Experts(nnx.Module):
         self.qblock: int | None = None
         self.qbits = 0
         self.calibrating = False  # models/quant/: sow the routed rows for per-expert calibration
-        self.dispatch_sharding: Any = None  # rows over the batch axes: dispatch per batch shard (__call__)
+        self.expert_parallel: ExpertParallel | None = None  # on a mesh: the per-device dispatch (__call__)
 
     # -- LoRA ------------------------------------------------------------------------------------
 
@@ -363,35 +404,85 @@ class Experts(nnx.Module):
     def __call__(self, x: jax.Array, idx: jax.Array, w: jax.Array, *, impl: str | None = None) -> jax.Array:
         """x [T, D], idx [T, k] experts, w [T, k] routing weights -> Σ_k w · expert_idx(x), [T, D].
 
-        With a `dispatch_sharding` over G > 1 batch shards (models.sharding.set_activation_sharding) the T
-        tokens are dispatched as G independent groups of T/G (`jax.vmap` over a leading group axis laid out
-        like the batch), so that each device sorts only its own tokens' rows: one sort over all T·k rows cannot
-        be partitioned, and XLA replicates it, and every routed row of the global batch, on every device.
-        The result is the same (a token's output depends on its own rows only). Calibration (which sows the
-        rows) and LoRA dropout (which draws masks) dispatch as one group."""
+        On a mesh (`expert_parallel`, set by models.sharding.set_activation_sharding) the dispatch runs per
+        device (`_expert_parallel`); calibration (which sows the routed rows), LoRA dropout (which draws
+        masks) and quantized stacks dispatch as one program over all tokens."""
         impl = impl or self.impl
         if impl == "dense":
             return self._dense(x, idx, w)
         x = x.astype(self.dtype)
+        ep = self.expert_parallel
+        if ep is not None and ep.usable(x.shape[0]) and not (self.calibrating or self.quantized
+                                                               or self.lora_dropout is not None):
+            return self._expert_parallel(x, idx, w, impl, ep)
         if self.quantized:  # dequantized on the fly, one expert per block
             weights = self.expert_weights("gate_up", self.dtype), self.expert_weights("down", self.dtype)
         else:
             weights = self.base_weights(self.dtype)
-        sharding = self.dispatch_sharding
-        rows = sharding.spec[0] if sharding is not None and len(sharding.spec) else None
-        axes = rows if isinstance(rows, tuple) else (rows,) if rows else ()
-        T, G = x.shape[0], math.prod(sharding.mesh.shape[a] for a in axes) if sharding is not None else 1
-        if G <= 1 or T % G or self.calibrating or self.lora_dropout is not None:
-            return self._routed(x, idx, w, weights, impl)
-        free = jax.sharding.PartitionSpec.UNCONSTRAINED
+        return self._routed(x, idx, w, weights, impl)
 
-        def split(a: jax.Array) -> jax.Array:  # [T, ...] -> [G, T/G, ...], one group per batch shard
-            spec = jax.sharding.PartitionSpec(rows, *([free] * a.ndim))
-            return jax.lax.with_sharding_constraint(a.reshape(G, T // G, *a.shape[1:]),
-                                                    type(sharding)(sharding.mesh, spec))
+    def _expert_parallel(self, x: jax.Array, idx: jax.Array, w: jax.Array, impl: str, ep: ExpertParallel
+                         ) -> jax.Array:
+        """Expert parallelism under `jax.shard_map`: each device holds T_l of the tokens (rows over the batch
+        axes) and E_l = E / X of the experts (the stacked-expert axis over the X devices of the expert
+        axes, which also split the batch). Per layer, on each device:
 
-        out = jax.vmap(lambda xg, ig, wg: self._routed(xg, ig, wg, weights, impl))(split(x), split(idx), split(w))
-        return out.reshape(T, self.hidden_size)  # [T, D]
+        1. its experts' weights (and LoRA factors, biases) are all-gathered over the other axes that split
+           them (FSDP's gather, in the compute dtype), never the other experts';
+        2. the tokens of its X expert-axis peers are all-gathered (x [X·T_l, D], their routes);
+        3. the routed rows that go to its own experts are sorted by expert and run through the grouped
+           matmuls; at most C rows (C = X·T_l·k: dropless; with `capacity_factor` f, C = f·T_l·k, the
+           average times f: rows past C are dropped, as capacity-based MoE training does);
+        4. the weighted rows are summed per token and reduce-scattered back over the expert axes.
+
+        The same function of the inputs as `_routed` (dropless), with no sort or buffer over the global
+        batch and no expert stack gathered whole: what XLA's own partitioning of `_routed` did (the capacity
+        planner, tasks/training/plan.py, measured it replicating every routed row on every device)."""
+        E, D, k = self.num_experts, self.hidden_size, idx.shape[1]
+        names = [n for n in EP_VARIABLES if getattr(self, n) is not None]
+        arrays = [getattr(self, n)[...].astype(self.dtype) for n in names]
+        X, axes, lora = ep.expert_size, ep.expert_axes, self.gate_up_lora_a is not None
+        E_l = E // X
+        P = jax.sharding.PartitionSpec
+
+        def local(x_l, idx_l, w_l, *ws):  # [T_l, D], [T_l, k], [T_l, k], this device's shards
+            ws = {n: ep.gather(n, a) for n, a in zip(names, ws, strict=True)}  # [E_l, ...] whole per expert
+            if X > 1:
+                x_l, idx_l, w_l = (jax.lax.all_gather(a, axes, axis=0, tiled=True) for a in (x_l, idx_l, w_l))
+                me = jax.lax.axis_index(axes)
+            else:
+                me = 0
+            R = x_l.shape[0] * k  # routed rows of the gathered tokens
+            C = R if ep.capacity_factor is None else min(R, math.ceil(ep.capacity_factor * R / X))
+            flat = idx_l.reshape(-1)  # [R]
+            key = jnp.where(flat // E_l == me, flat - me * E_l, E_l)  # local expert, or E_l: another device's
+            order = jnp.argsort(key, stable=True)[:C]  # [C] this device's rows first, by expert
+            group = key[order]  # [C]
+            sizes = jnp.bincount(group, length=E_l + 1).astype(jnp.int32)  # [E_l + 1], the last: not ours
+            token = order // k  # [C]
+            ext = lambda a: jnp.concatenate([a, jnp.zeros((1, *a.shape[1:]), a.dtype)])  # + a zero group
+            xs = x_l[token]  # [C, D]
+            gu = grouped_matmul(xs, ext(ws["gate_up"]), sizes, impl=impl)  # [C, 2I]
+            scale = jnp.asarray(self.lora_scale, self.dtype)
+            if lora:
+                t = grouped_matmul(xs, ext(ws["gate_up_lora_a"]), sizes, impl=impl)  # [C, r]
+                gu = gu + grouped_matmul(t, ext(ws["gate_up_lora_b"]), sizes, impl=impl) * scale
+            if "gate_up_bias" in ws:
+                gu = gu + ext(ws["gate_up_bias"])[group]
+            h = self.act(gu)  # [C, I]
+            y = grouped_matmul(h, ext(ws["down"]), sizes, impl=impl)  # [C, D]
+            if lora:
+                t = grouped_matmul(h, ext(ws["down_lora_a"]), sizes, impl=impl)  # [C, r]
+                y = y + grouped_matmul(t, ext(ws["down_lora_b"]), sizes, impl=impl) * scale
+            if "down_bias" in ws:
+                y = y + ext(ws["down_bias"])[group]
+            weight = jnp.where(group < E_l, w_l.reshape(-1)[order], 0.0)  # [C]
+            out = jnp.zeros((x_l.shape[0], D), y.dtype).at[token].add(y * weight[:, None].astype(y.dtype))
+            return jax.lax.psum_scatter(out, axes, scatter_dimension=0, tiled=True) if X > 1 else out  # [T_l, D]
+
+        rows = P(ep.rows, None)
+        return jax.shard_map(local, mesh=ep.mesh, in_specs=(rows, rows, rows, *(ep.spec(n) for n in names)),
+                             out_specs=rows, check_vma=False)(x, idx, w, *arrays)
 
     def _routed(self, x: jax.Array, idx: jax.Array, w: jax.Array, weights: tuple[Any, Any], impl: str) -> jax.Array:
         """The grouped dispatch of x [T, D] (already in the compute dtype): rows sorted by expert, two grouped

@@ -110,19 +110,29 @@ def shard_model(model: nnx.Module, mesh: Mesh, rules: Mapping[str, MeshAxes] = R
     return model
 
 
-def set_activation_sharding(model: nnx.Module, mesh: Mesh, rules: Mapping[str, MeshAxes] = RULES) -> None:
+def set_activation_sharding(model: nnx.Module, mesh: Mesh, rules: Mapping[str, MeshAxes] = RULES,
+                            capacity_factor: float | None = None) -> None:
     """Pin a decoder's residual stream [B, T, D] and logits to rows over the batch axes (the other dims left to
-    XLA), as MaxText constrains its activations, and make its MoE layers dispatch each batch shard's tokens
-    apart (models/moe.py Experts.__call__). Without them XLA's propagation gives up the batch split at a
-    gather (the embedding lookup) and at the experts' sort, and replicates every token of the global batch,
-    and its logits, on every device: the capacity planner (tasks/training/plan.py) measured a 4-layer
-    DeepSeek-V3 LoRA step on 256 devices at 1254 GB of temporaries per device without them, 168 GB with
-    them. In place; modules without these attributes are left alone."""
-    from models.moe import Experts
+    XLA), as MaxText constrains its activations, and give its MoE expert stacks their expert-parallel layout
+    (models/moe.py `ExpertParallel`; `capacity_factor` None: dropless). Without them XLA's propagation gives up
+    the batch split at a gather (the embedding lookup) and at the experts' sort, and replicates every token of
+    the global batch, its logits and its routed rows on every device, as the capacity planner
+    (tasks/training/plan.py) found. In place; modules without these attributes are left alone."""
+    from models.moe import EP_VARIABLES, ExpertParallel, Experts
 
     rows = named_sharding(mesh, ("batch",), rules)
+    batch_axes = rows.spec[0] if len(rows.spec) else None
+    batch_axes = (batch_axes,) if isinstance(batch_axes, str) else tuple(batch_axes or ())
     for _, node in nnx.iter_graph(model):
         if hasattr(node, "activation_sharding"):
             node.activation_sharding = rows
         if isinstance(node, Experts):
-            node.dispatch_sharding = rows
+            specs = []
+            for name in EP_VARIABLES:
+                var = getattr(node, name, None)
+                if isinstance(var, nnx.Variable):
+                    names = var.get_metadata().get("out_sharding") or (None,) * var.get_value().ndim
+                    specs.append((name, logical_to_spec(names, rules, var.get_value().shape, mesh)))
+            lead = dict(specs)["gate_up"][0] if specs else None
+            expert_axes = (lead,) if isinstance(lead, str) else tuple(lead or ())
+            node.expert_parallel = ExpertParallel(mesh, batch_axes, expert_axes, tuple(specs), capacity_factor)

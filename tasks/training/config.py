@@ -48,6 +48,8 @@ class TrainConfig(BaseModel):
     compute_dtype: Literal["float32", "bfloat16"] = "float32"
     remat: Literal["none", "full", "dots"] = "none"
     aux_loss_coef: float = Field(0.0, ge=0)  # MoE load-balancing loss weight (0: reported only)
+    # MoE expert parallelism: rows one device computes, x the average (None: dropless, every routed row)
+    moe_capacity_factor: float | None = Field(None, ge=1)
     checkpoint_every: int = Field(50, ge=1)
     keep_checkpoints: int = Field(2, ge=1)
     eval_batches: int = Field(8, ge=1)

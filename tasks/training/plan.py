@@ -78,6 +78,7 @@ class Request:
     mesh: dict[str, int] | None = None  # fixed (data, fsdp, tensor, expert); None: search
     compile_top: int = 3
     full_depth: bool = False  # compile every layer instead of extrapolating from two depths
+    moe_capacity_factor: float | None = None  # None: dropless expert parallelism
     peak_tflops: float = DEFAULT_PEAK_TFLOPS
     mfu: float = DEFAULT_MFU
 
@@ -89,7 +90,8 @@ class Request:
         from tasks.training.config import TrainConfig
 
         return TrainConfig(batch_size=self.global_batch, grad_accum=self.grad_accum, optimizer=self.optimizer,
-                           compute_dtype=self.compute_dtype, remat=self.remat)
+                           compute_dtype=self.compute_dtype, remat=self.remat,
+                           moe_capacity_factor=self.moe_capacity_factor)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -318,7 +320,7 @@ def compile_step(cfg: Any, model_cls: type, req: Request, mesh_shape: MeshShape)
     mesh = make_mesh(data=mesh_shape.data, fsdp=mesh_shape.fsdp, tensor=mesh_shape.tensor, expert=mesh_shape.expert,
                      devices=jax.devices()[: req.devices])
     model = abstract_model(cfg, model_cls, req)
-    set_activation_sharding(model, mesh, RULES)
+    set_activation_sharding(model, mesh, RULES, req.moe_capacity_factor)
     prepare_for_training(model, tcfg)
     trainable = nnx.LoRAParam if req.mode == "lora" else nnx.Param
     graphdef, params, rng_state, frozen = nnx.split(model, trainable, nnx.RngState, ...)
@@ -348,22 +350,36 @@ def compile_step(cfg: Any, model_cls: type, req: Request, mesh_shape: MeshShape)
 def plan_mesh(cfg: Any, model_cls: type, req: Request, mesh: MeshShape, state: tuple[Any, Any, Any],
               full_depth: bool = False) -> dict[str, Any]:
     """Per-device bytes of the step on `mesh`: the exact state bytes of the full model's `state` (trainable
-    params, frozen rest, abstract optimizer state), and the temporaries of the step compiled at two depths of
-    the layer pattern, extrapolated to the full depth (`full_depth=True`: compiled whole)."""
+    params, frozen rest, abstract optimizer state), and the temporaries of the step.
+
+    XLA:CPU does not keep rematerialisation: it drops `jax.checkpoint`'s optimisation barriers and merges the
+    recomputation with the forward (a chain of 40 checkpointed matmuls compiles to the same program and the
+    same temporaries as without them), so a CPU compile of a remat'd step reports the memory of keeping every
+    activation. Hence, with `remat: full` the step is compiled at depth a (the layer pattern's first
+    repetition) without remat and each further layer is credited with what full remat keeps of it on a GPU:
+    its input [rows, T, D] in the compute dtype, plus its exact gradient bytes. Without remat (and for
+    `dots`, an upper bound) the step is compiled at depths a and b and extrapolated linearly.
+    `full_depth=True` compiles every layer (without remat's saving, on CPU)."""
     from models.sharding import RULES
 
     L = cfg.num_hidden_layers
     k0, p = depth_pattern(cfg)
     a, b = k0 + p, k0 + 2 * p
+    exact = state_bytes(*state, mesh, RULES, req)
     if full_depth or b >= L:
         run = compile_step(cfg, model_cls, req, mesh)
         temp, seconds, depths = run["temp"], run["seconds"], [L]
+    elif req.remat == "full":
+        ra = compile_step(with_depth(cfg, a), model_cls, dataclasses.replace(req, remat="none"), mesh)
+        rows = req.global_batch // req.grad_accum // (mesh.data * mesh.fsdp * mesh.expert)
+        saved = rows * req.seq_len * cfg.hidden_size * (2 if req.compute_dtype == "bfloat16" else 4)
+        temp = ra["temp"] + (exact["grads"] - ra["exact"]["grads"]) + (L - a) * saved
+        seconds, depths = ra["seconds"], [a]
     else:
         ra = compile_step(with_depth(cfg, a), model_cls, req, mesh)
         rb = compile_step(with_depth(cfg, b), model_cls, req, mesh)
         temp = rb["temp"] + (rb["temp"] - ra["temp"]) * (L - b) / (b - a)
         seconds, depths = ra["seconds"] + rb["seconds"], [a, b]
-    exact = state_bytes(*state, mesh, RULES, req)
     per_device = {"params": exact["params"], "frozen": exact["frozen"], "grads": exact["grads"],
                   "optimizer": exact["optimizer"], "batch": exact["batch"],
                   "temp": max(int(temp) - exact["grads"], 0)}  # XLA's temporaries hold the gradients
@@ -545,6 +561,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--mesh", default=None, help="fixed mesh, e.g. data=1,fsdp=8,tensor=8,expert=4 (default: search)")
     ap.add_argument("--compile", type=int, default=3, dest="compile_top", help="meshes to compile (best estimates)")
     ap.add_argument("--full-depth", action="store_true", help="compile every layer (slow) instead of extrapolating")
+    ap.add_argument("--moe-capacity-factor", type=float, default=None,
+                    help="expert parallelism: rows a device computes, x the average (default: dropless)")
     ap.add_argument("--peak-tflops", type=float, default=DEFAULT_PEAK_TFLOPS, help="per device (bf16 dense)")
     ap.add_argument("--mfu", type=float, default=DEFAULT_MFU)
     ap.add_argument("--json", action="store_true", help="print the plan as one JSON object")
@@ -578,7 +596,8 @@ def request_from_args(args: argparse.Namespace) -> Request:
                    param_dtype=args.param_dtype, compute_dtype=args.compute_dtype, remat=args.remat,
                    grad_accum=args.grad_accum, optimizer=args.optimizer, lora_rank=args.lora_rank, mesh=mesh,
                    lora_targets=tuple(args.lora_targets.split(",")) if args.lora_targets else None,
-                   compile_top=args.compile_top, full_depth=args.full_depth, peak_tflops=args.peak_tflops, mfu=args.mfu)
+                   compile_top=args.compile_top, full_depth=args.full_depth,
+                   moe_capacity_factor=args.moe_capacity_factor, peak_tflops=args.peak_tflops, mfu=args.mfu)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

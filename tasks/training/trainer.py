@@ -146,7 +146,7 @@ class Trainer:
         self.config = getattr(model, "config", None)
         self.lora = trainable is nnx.LoRAParam
         shard_model(model, self.mesh, self.rules)
-        set_activation_sharding(model, self.mesh, self.rules)
+        set_activation_sharding(model, self.mesh, self.rules, cfg.moe_capacity_factor)
         self.eval_graphdef = prepare_for_training(model, cfg)
         self.moe = [m for _, m in nnx.iter_graph(model) if isinstance(m, MoE)]
         self.graphdef, self.params, self.rng_state, self.frozen = nnx.split(model, trainable, nnx.RngState, ...)
