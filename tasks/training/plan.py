@@ -355,10 +355,11 @@ def plan_mesh(cfg: Any, model_cls: type, req: Request, mesh: MeshShape, state: t
     XLA:CPU does not keep rematerialisation: it drops `jax.checkpoint`'s optimisation barriers and merges the
     recomputation with the forward (a chain of 40 checkpointed matmuls compiles to the same program and the
     same temporaries as without them), so a CPU compile of a remat'd step reports the memory of keeping every
-    activation. Hence, with `remat: full` the step is compiled at depth a (the layer pattern's first
-    repetition) without remat and each further layer is credited with what full remat keeps of it on a GPU:
-    its input [rows, T, D] in the compute dtype, plus its exact gradient bytes. Without remat (and for
-    `dots`, an upper bound) the step is compiled at depths a and b and extrapolated linearly.
+    activation. Hence, with `remat: full` the step is compiled without remat at depths a and b of the layer
+    pattern, which gives one repeating layer's activations, and the plan keeps what full remat keeps on a
+    GPU: one layer's activations (the layer being recomputed), every other layer's input [rows, T, D] in the
+    compute dtype, and the exact gradient bytes of all layers. Without remat (and for `dots`, an upper
+    bound) the temporaries at depths a and b are extrapolated linearly.
     `full_depth=True` compiles every layer (without remat's saving, on CPU)."""
     from models.sharding import RULES
 
@@ -370,11 +371,18 @@ def plan_mesh(cfg: Any, model_cls: type, req: Request, mesh: MeshShape, state: t
         run = compile_step(cfg, model_cls, req, mesh)
         temp, seconds, depths = run["temp"], run["seconds"], [L]
     elif req.remat == "full":
-        ra = compile_step(with_depth(cfg, a), model_cls, dataclasses.replace(req, remat="none"), mesh)
+        plain = dataclasses.replace(req, remat="none")
+        ra = compile_step(with_depth(cfg, a), model_cls, plain, mesh)
+        rb = compile_step(with_depth(cfg, b), model_cls, plain, mesh)
+        grads = lambda r: r["exact"]["grads"]
+        # one repeating layer's activations without remat: its temporaries less its gradients
+        layer = max((rb["temp"] - ra["temp"] - (grads(rb) - grads(ra))) / (b - a), 0.0)
         rows = req.global_batch // req.grad_accum // (mesh.data * mesh.fsdp * mesh.expert)
         saved = rows * req.seq_len * cfg.hidden_size * (2 if req.compute_dtype == "bfloat16" else 4)
-        temp = ra["temp"] + (exact["grads"] - ra["exact"]["grads"]) + (L - a) * saved
-        seconds, depths = ra["seconds"], [a]
+        # depth a without remat keeps a layers' activations; full remat keeps one layer's (the one being
+        # recomputed) and every other layer's input
+        temp = ra["temp"] - (a - 1) * layer + (L - 1) * saved + (exact["grads"] - grads(ra))
+        seconds, depths = ra["seconds"] + rb["seconds"], [a, b]
     else:
         ra = compile_step(with_depth(cfg, a), model_cls, req, mesh)
         rb = compile_step(with_depth(cfg, b), model_cls, req, mesh)
@@ -437,10 +445,16 @@ def plan(req: Request) -> dict[str, Any]:
         ex = state_bytes(params, frozen, opt_shape, m, RULES, req)
         state = ex["params"] + ex["frozen"] + ex["optimizer"] + ex["grads"]
         comm = _comm_seconds(req, cfg, m, counts["total"], n_trainable)
-        scored.append((state > memory, compute_s + comm, state, m, comm))
-    scored.sort(key=lambda s: (s[0], s[1], s[2]))
+        scored.append((state > memory, compute_s + comm, state, m, comm))  # (does not fit, time, state, ...)
+    # compile the fastest meshes whose state leaves at least 40% of the memory to activations, and the mesh
+    # with the least state (the most likely to fit when activations are large)
+    scored.sort(key=lambda s: (s[2] > 0.6 * memory, s[1], s[2]))
+    chosen = scored[: max(req.compile_top, 1)]
+    least = min(scored, key=lambda s: (s[2], s[1]))
+    if least not in chosen and req.compile_top > 1:
+        chosen = [*chosen[:-1], least]
     rows = []
-    for _, est, _, m, comm in scored[: max(req.compile_top, 1)]:
+    for _, est, _, m, comm in chosen:
         one = plan_mesh(cfg, model_cls, req, m, (params, frozen, opt_shape), full_depth=req.full_depth)
         b = one["bytes_per_device"]
         rows.append({"mesh": m.shape, "bytes_per_device": b, "fits": b["total"] <= memory,
