@@ -355,10 +355,11 @@ def plan_mesh(cfg: Any, model_cls: type, req: Request, mesh: MeshShape, state: t
     XLA:CPU does not keep rematerialisation: it drops `jax.checkpoint`'s optimisation barriers and merges the
     recomputation with the forward (a chain of 40 checkpointed matmuls compiles to the same program and the
     same temporaries as without them), so a CPU compile of a remat'd step reports the memory of keeping every
-    activation. Hence, with `remat: full` the step is compiled without remat at depths a and b of the layer
-    pattern, which gives one repeating layer's activations, and the plan keeps what full remat keeps on a
-    GPU: one layer's activations (the layer being recomputed), every other layer's input [rows, T, D] in the
-    compute dtype, and the exact gradient bytes of all layers. Without remat (and for `dots`, an upper
+    activation. Hence, with `remat: full` the step is compiled without remat at depths 1, a and b of the
+    layer pattern (b - a gives one repeating layer's activations) and the plan keeps what full remat keeps on
+    a GPU: the one-layer step's temporaries plus one repeating layer's activations (the layer being
+    recomputed; conservative, as if both were live), every other layer's input [rows, T, D] in the compute
+    dtype, and the exact gradient bytes of all layers. Without remat (and for `dots`, an upper
     bound) the temporaries at depths a and b are extrapolated linearly.
     `full_depth=True` compiles every layer (without remat's saving, on CPU)."""
     from models.sharding import RULES
@@ -372,17 +373,17 @@ def plan_mesh(cfg: Any, model_cls: type, req: Request, mesh: MeshShape, state: t
         temp, seconds, depths = run["temp"], run["seconds"], [L]
     elif req.remat == "full":
         plain = dataclasses.replace(req, remat="none")
-        ra = compile_step(with_depth(cfg, a), model_cls, plain, mesh)
-        rb = compile_step(with_depth(cfg, b), model_cls, plain, mesh)
-        grads = lambda r: r["exact"]["grads"]
+        runs = {n: compile_step(with_depth(cfg, n), model_cls, plain, mesh) for n in sorted({1, a, b})}
+        grads = lambda n: runs[n]["exact"]["grads"]
         # one repeating layer's activations without remat: its temporaries less its gradients
-        layer = max((rb["temp"] - ra["temp"] - (grads(rb) - grads(ra))) / (b - a), 0.0)
+        layer = max((runs[b]["temp"] - runs[a]["temp"] - (grads(b) - grads(a))) / (b - a), 0.0)
         rows = req.global_batch // req.grad_accum // (mesh.data * mesh.fsdp * mesh.expert)
         saved = rows * req.seq_len * cfg.hidden_size * (2 if req.compute_dtype == "bfloat16" else 4)
-        # depth a without remat keeps a layers' activations; full remat keeps one layer's (the one being
-        # recomputed) and every other layer's input
-        temp = ra["temp"] - (a - 1) * layer + (L - 1) * saved + (exact["grads"] - grads(ra))
-        seconds, depths = ra["seconds"] + rb["seconds"], [a, b]
+        # full remat keeps one layer's activations (the layer being recomputed) and every other layer's input:
+        # the one-layer step's temporaries (the embedding, logits and loss, and the first layer) plus one
+        # repeating layer's activations (conservative: as if both were live), the inputs, all gradients
+        temp = runs[1]["temp"] - grads(1) + layer + (L - 1) * saved + exact["grads"]
+        seconds, depths = sum(r["seconds"] for r in runs.values()), sorted(runs)
     else:
         ra = compile_step(with_depth(cfg, a), model_cls, req, mesh)
         rb = compile_step(with_depth(cfg, b), model_cls, req, mesh)

@@ -271,7 +271,22 @@ def test_full_remat_keeps_only_each_layers_input(tmp_path):
     full, none = (_plan(raw, tmp_path, *common, "--remat", r) for r in ("full", "none"))
     assert full.returncode == 0 and none.returncode == 0, full.stderr[-2000:] + none.stderr[-2000:]
     full, none = json.loads(full.stdout), json.loads(none.stdout)
-    assert full["candidates"][0]["compiled_depths"] == [1, 2]
+    assert full["candidates"][0]["compiled_depths"] == [1, 2]  # depth 1 is the pattern's first repetition
     # 8 layers whose activations dwarf their inputs: keeping one layer's instead of eight's
     assert full["bytes_per_device"]["temp"] < none["bytes_per_device"]["temp"] / 2, (full, none)
     assert full["bytes_per_device"]["params"] == none["bytes_per_device"]["params"]
+
+
+def test_full_remat_with_leading_dense_layers_keeps_a_layer(tmp_path):
+    """DeepSeek-style (1 dense layer, then MoE): the remat credit counts the one-layer step plus one MoE layer's
+    activations (it once subtracted more than depth 2 held and reported no temporaries at all)."""
+    from models.deepseek_v3 import DeepseekV3Config
+
+    raw = DeepseekV3Config.tiny(vocab_size=512, num_hidden_layers=6).to_hf("float32")
+    common = ("--mode", "full", "--mesh", "fsdp=4,expert=2", "--global-batch", "8", "--seq-len", "128",
+              "--compute-dtype", "float32", "--compile", "1")
+    full, none = (_plan(raw, tmp_path, *common, "--remat", r) for r in ("full", "none"))
+    assert full.returncode == 0 and none.returncode == 0, full.stderr[-2000:] + none.stderr[-2000:]
+    full, none = json.loads(full.stdout), json.loads(none.stdout)
+    assert full["candidates"][0]["compiled_depths"] == [1, 2, 3]
+    assert 0 < full["bytes_per_device"]["temp"] < none["bytes_per_device"]["temp"], (full, none)
