@@ -215,14 +215,14 @@ def _shard_bytes(shape: Sequence[int], dtype: Any, names: Sequence[str | None] |
     return n * np.dtype(dtype).itemsize
 
 
-def _var_bytes(state: Any, mesh: MeshShape, rules: Mapping[str, Any], dtype: Any = None) -> int:
+def _var_bytes(state: Any, mesh: MeshShape, rules: Mapping[str, Any]) -> int:
     from flax import nnx
 
     total = 0
     for _, var in nnx.to_flat_state(state):
         value = var.get_value()
         names = var.get_metadata().get("out_sharding")
-        total += _shard_bytes(value.shape, dtype or value.dtype, tuple(names) if names else None, mesh, rules)
+        total += _shard_bytes(value.shape, value.dtype, tuple(names) if names else None, mesh, rules)
     return total
 
 
@@ -408,7 +408,7 @@ def plan(req: Request) -> dict[str, Any]:
     from models.sharding import RULES
     from tasks.training.flops import matmul_params_per_token, train_flops_per_token
     from tasks.training.optimizers import make_optimizer
-    from tasks.training.trainer import prepare_for_training
+    from tasks.training.trainer import adapter_params_per_token, prepare_for_training
 
     cfg, model_cls = family_config(req.config, req.name)
     model = abstract_model(cfg, model_cls, req)
@@ -421,11 +421,9 @@ def plan(req: Request) -> dict[str, Any]:
     opt_shape = jax.eval_shape(make_optimizer(req.train_config()).init, params)
     n_trainable = counts["lora"] if req.mode == "lora" else counts["total"]
     tokens = req.global_batch * req.seq_len
-    top_k = getattr(cfg, "num_experts_per_tok", 1)
-    adapter = sum(math.prod(v.get_value().shape) * (top_k / v.get_value().shape[0] if v.get_value().ndim == 3 else 1)
-                  for _, v in nnx.to_flat_state(params)) if req.mode == "lora" else 0
+    adapter = adapter_params_per_token(params, cfg) if req.mode == "lora" else 0
     flops_per_token = train_flops_per_token(cfg, req.seq_len, trainable_only=req.mode == "lora",
-                                            adapter_params=int(adapter), causal=True)
+                                            adapter_params=adapter, causal=True)
     flops = flops_per_token * tokens
     compute_s = flops / (req.devices * req.peak_tflops * 1e12 * req.mfu)
     memory = req.device_memory_gib * GIB
@@ -510,14 +508,10 @@ def format_plan(p: Mapping[str, Any]) -> str:
                      f"{_g(b['temp'])} | {_g(b['total'])} | {'yes' if r['fits'] else 'NO'} | "
                      f"{r['step_seconds_est']:.2f} |")
     verdict = "fits" if p["fits"] else "does NOT fit"
-    lines += ["", f"best: {_mesh_label(p['mesh'])}: {_g(p['bytes_per_device']['total'])} GiB per device of "
+    lines += ["", f"best: {MeshShape(**p['mesh']).label()}: {_g(p['bytes_per_device']['total'])} GiB per device of "
                   f"{p['device_memory_gib']:g}: {verdict} ({p['meshes_considered']} meshes considered, "
                   f"{len(p['candidates'])} compiled)"]
     return "\n".join(lines)
-
-
-def _mesh_label(m: Mapping[str, int]) -> str:
-    return " x ".join(f"{k} {m[k]}" for k in ("data", "fsdp", "tensor", "expert"))
 
 
 # ------------------------------------------------------------------------------------------------

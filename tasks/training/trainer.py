@@ -37,6 +37,14 @@ def mesh_rules(cfg: MeshConfig) -> dict[str, Any]:
     return {**RULES, **{k: tuple(v) if isinstance(v, list) else v for k, v in cfg.rules.items()}}
 
 
+def adapter_params_per_token(params: Any, config: Any) -> int:
+    """LoRA factors (`params`, concrete or abstract) each token multiplies: a stacked expert factor [E, ...]
+    counts top_k / E of itself."""
+    top_k = getattr(config, "num_experts_per_tok", 1)
+    return int(sum(math.prod(x.shape) * (top_k / x.shape[0] if len(x.shape) == 3 else 1)
+                   for x in jax.tree.leaves(params)))
+
+
 def _is_key(x: Any) -> bool:
     return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
 
@@ -174,10 +182,7 @@ class Trainer:
 
     def adapter_params_per_token(self) -> int:
         """LoRA factors each token multiplies (a stacked expert factor [E, ...] counts top_k / E of itself)."""
-        if not self.lora:
-            return 0
-        top_k = getattr(self.config, "num_experts_per_tok", 1)
-        return int(sum(x.size * top_k / x.shape[0] if x.ndim == 3 else x.size for x in jax.tree.leaves(self.params)))
+        return adapter_params_per_token(self.params, self.config) if self.lora else 0
 
     # -- batches -----------------------------------------------------------------------------------
 
