@@ -1,14 +1,16 @@
-"""Speculative-decoding benchmark: the release's EAGLE-3 draft vs plain decoding of the same target.
+"""Speculative-decoding benchmark: every draft candidate of a release vs plain decoding of the same target.
 
     python -m benchmarks.speculative [--store file://./artifacts] [--release forgeline-tiny]
-                                     [--k 3 5] [--prompts 16] [--max-new-tokens 64] [--mlp-width 16384]
-                                     [--extra-layers 12]
+                                     [--k 3 5] [--temperatures 0 1] [--prompts 16] [--max-new-tokens 64]
+                                     [--mlp-width 16384] [--extra-layers 12] [--drafts NAME ...]
 
-Needs a finished release in the store (the README's first command). Both decoders run the same
-target at batch 1 on the same held-out prompts (the release's data_prep `prompts.parquet`), compiled
-before timing and timed alternately (tasks/evaluate.py `speculative`). Reported per row: mean
-acceptance length τ (tokens per target verify forward), per-position acceptance, and the wall-clock
-speedup over plain decoding (tokens/s ratio).
+Needs a finished release in the store (the README's first command); measures every candidate the
+release's draft stage trained (EAGLE-3, P-EAGLE, DFlash; `--drafts` picks some). Both decoders run
+the same target at batch 1 on the same held-out prompts (the release's data_prep `prompts.parquet`),
+compiled before timing and timed alternately (tasks/evaluate.py `speculative`). Reported per row
+(target × draft × temperature × k): mean acceptance length τ (tokens per target verify forward),
+per-position acceptance, the wall-clock speedup over plain decoding (tokens/s ratio) and, at T = 0,
+losslessness; the draft's kind, objective, parameters and training time head the table.
 
 Two targets:
 - `release`: the released model as it is (3.3M parameters by default: on a CPU its decode step is
@@ -38,11 +40,13 @@ from flax import nnx
 
 import models
 import storage
-from models.eagle3 import load_eagle3
+from models.drafts import kind_of, load_draft, target_head
 from models.generate import generate
+from models.speculative import is_block_draft
 from storage import Store
 from tasks.evaluate import EvalConfig, spec_prompts, speculative
-from tasks.layout import draft_dir
+from tasks.layout import draft_candidates
+from tasks.stage import read_report
 
 
 def expand_target(target: nnx.Module, mlp_width: int, extra_layers: int, seed: int = 0) -> nnx.Module:
@@ -86,19 +90,26 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--store", default=os.environ.get("FORGELINE_STORE", "file://./artifacts"))
     ap.add_argument("--release", default="forgeline-tiny")
     ap.add_argument("--k", type=int, nargs="+", default=[3, 5])
+    ap.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--mlp-width", type=int, default=16384)
     ap.add_argument("--extra-layers", type=int, default=12)
+    ap.add_argument("--targets", nargs="+", default=["release", "memory-bound"], choices=["release", "memory-bound"])
+    ap.add_argument("--drafts", nargs="*",
+                    help="candidate names (default: every candidate of the release's draft stage)")
+    ap.add_argument("--no-tree", action="store_true", help="skip the EAGLE-2 tree rows")
     ap.add_argument("--json", type=Path, help="also write the rows here")
     ap.add_argument("--bundle", type=Path, help="a release bundle folder instead of the store's release pointer")
     ap.add_argument("--data", type=Path, help="with --bundle: the data_prep folder holding prompts.parquet")
+    ap.add_argument("--draft-artifact", type=Path, help="with --bundle: a draft stage output (all candidates)")
     a = ap.parse_args(argv)
 
     if a.bundle is not None:
         bundle_dir, data_dir = a.bundle, a.data
         if data_dir is None:
             raise SystemExit("benchmarks.speculative: --bundle needs --data (the folder with prompts.parquet)")
+        drafts_at = a.draft_artifact or bundle_dir
     else:
         st = Store(storage.normalize_url(a.store))
         bundle = st.read_pointer(f"releases/{a.release}")
@@ -107,38 +118,58 @@ def main(argv: list[str] | None = None) -> None:
         bundle_dir = st.fetch(bundle)
         lineage = json.loads((bundle_dir / "lineage.json").read_text())
         data_dir = st.fetch(st.load(st.url(lineage["stages"]["data"]["key"])))
+        drafts_at = st.fetch(st.load(st.url(lineage["stages"]["draft"]["key"])))
     target = models.from_pretrained(str(bundle_dir / "model"))
     eos = json.loads((bundle_dir / "model" / "config.json").read_text()).get("eos_token_id")
-    draft = load_eagle3(str(draft_dir(bundle_dir)), embed_tokens=target.embed_tokens.weight[...])
+    found = draft_candidates(drafts_at)
+    names = a.drafts or list(found)
+    drafts = {n: load_draft(found[n], target.embed_tokens.weight[...], target_head(target)) for n in names}
+    meta = {n: read_report(lambda f, d=found[n]: (d / f).read_bytes(), "draft_config.json")
+            if (found[n] / "draft_config.json").exists() else {} for n in names}
 
-    big = expand_target(target, a.mlp_width, a.extra_layers)
+    big = expand_target(target, a.mlp_width, a.extra_layers) if "memory-bound" in a.targets else None
     cfg0 = EvalConfig(spec_prompts=a.prompts, spec_max_new_tokens=a.max_new_tokens, spec_tree=False)
     prompts = spec_prompts(data_dir, cfg0)
-    same = all(np.array_equal(np.asarray(generate(target, p, max_new_tokens=a.max_new_tokens, eos_token_id=eos).tokens),
-                              np.asarray(generate(big, p, max_new_tokens=a.max_new_tokens, eos_token_id=eos).tokens))
-               for p in prompts[:4])
-    print(f"release target: {_params(target) / 1e6:.1f}M params; memory-bound target: {_params(big) / 1e6:.1f}M "
-          f"params ({4 * _params(big) / 2**20:.0f} MiB fp32), same greedy output on 4 prompts: {same}")
-    print(f"draft: {_params(draft) / 1e6:.2f}M params (EAGLE-3, vocab {draft.config.draft_vocab_size}, "
-          f"aux layers {list(draft.target_layers)}); jax {jax.__version__} ({jax.default_backend()}), "
-          f"{a.prompts} held-out prompts, {a.max_new_tokens} new tokens, batch 1\n")
+    line = f"release target: {_params(target) / 1e6:.1f}M params"
+    if big is not None:
+        same = all(np.array_equal(
+            np.asarray(generate(target, p, max_new_tokens=a.max_new_tokens, eos_token_id=eos).tokens),
+            np.asarray(generate(big, p, max_new_tokens=a.max_new_tokens, eos_token_id=eos).tokens))
+            for p in prompts[:4])
+        line += (f"; memory-bound target: {_params(big) / 1e6:.1f}M params ({4 * _params(big) / 2**20:.0f} MiB fp32), "
+                 f"same greedy output on 4 prompts: {same}")
+    print(line)
+    for n, d in drafts.items():
+        m = meta[n]
+        print(f"draft {n}: {kind_of(d)}, {_params(d) / 1e6:.2f}M params, objective {m.get('objective', '?')} at "
+              f"T={m.get('train_temperature', '?')}, trained {m.get('train_seconds', '?')} s, selected step "
+              f"{m.get('selected_step', 'last')}")
+    print(f"jax {jax.__version__} ({jax.default_backend()}), {len(prompts)} held-out prompts, {a.max_new_tokens} "
+          f"new tokens, batch 1; speedup = speculative tok/s / plain greedy-or-sampled tok/s of the same target\n")
 
     rows = []
-    header = ("| target | mode | T | k | acceptance length | per-position acceptance | plain tok/s | spec tok/s "
-              "| speedup | lossless |")
-    print(header + "\n" + "|---" * 10 + "|")
-    for name, model in (("release", target), ("memory-bound", big)):
-        runs = [(k, t, "chain") for k in a.k for t in (0.0, 1.0)] + [(max(a.k), 0.0, "tree")]
-        for k, t, mode in runs:
-            cfg = cfg0.model_copy(update={"spec_k": k, "tree_depth": k})
-            t0 = time.perf_counter()
-            r = speculative(model, draft, prompts, cfg, eos, temperature=t, mode=mode)
-            r |= {"target": name, "seconds": round(time.perf_counter() - t0, 1)}
-            rows.append(r)
-            print(f"| {name} | {mode} | {t:g} | {k} | {r['acceptance_length']:.2f} "
-                  f"| {' '.join(f'{x:.2f}' for x in r['per_position_acceptance'])} | {r['plain_tokens_per_s']:.1f} "
-                  f"| {r['speculative_tokens_per_s']:.1f} | {r['speedup']:.2f}x | {r.get('lossless', 'n/a')} |",
-                  flush=True)
+    header = ("| target | draft | kind | objective | mode | T | k | τ | per-position acceptance | plain tok/s "
+              "| spec tok/s | speedup | lossless |")
+    print(header + "\n" + "|---" * 13 + "|")
+    targets = [("release", target)] + ([("memory-bound", big)] if big is not None else [])
+    for tname, model in targets:
+        for n, d in drafts.items():
+            runs = [(k, t, "chain") for k in a.k for t in a.temperatures if k <= getattr(d, "max_block", k)]
+            if not a.no_tree and not is_block_draft(d):
+                runs.append((max(a.k), 0.0, "tree"))
+            for k, t, mode in runs:
+                cfg = cfg0.model_copy(update={"spec_k": k, "tree_depth": k})
+                t0 = time.perf_counter()
+                r = speculative(model, d, prompts, cfg, eos, temperature=t, mode=mode)
+                r |= {"target": tname, "draft": n, "kind": kind_of(d), "objective": meta[n].get("objective"),
+                      "draft_params": _params(d), "train_seconds": meta[n].get("train_seconds"),
+                      "seconds": round(time.perf_counter() - t0, 1)}
+                rows.append(r)
+                label = "parallel" if is_block_draft(d) and mode == "chain" else mode
+                print(f"| {tname} | {n} | {kind_of(d)} | {meta[n].get('objective', '?')} | {label} | {t:g} | {k} "
+                      f"| {r['acceptance_length']:.2f} | {' '.join(f'{x:.2f}' for x in r['per_position_acceptance'])} "
+                      f"| {r['plain_tokens_per_s']:.1f} | {r['speculative_tokens_per_s']:.1f} | {r['speedup']:.2f}x "
+                      f"| {r.get('lossless', 'n/a')} |", flush=True)
     if a.json:
         a.json.write_text(json.dumps(rows, indent=1))
 

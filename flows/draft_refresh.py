@@ -21,7 +21,7 @@ from flows.execution import cancel_stage_runs
 from flows.release import DEFAULT_STORE
 from flows.stages import Stages
 from storage import ArtifactRef, Store
-from tasks.configs import EvalConfig, Gates
+from tasks.configs import DraftCandidate, EvalConfig, Gates
 from tasks.evaluate import load_report
 from tasks.recipe import load_release
 
@@ -34,6 +34,20 @@ def _release_refs(artifacts: Store, name: str) -> dict[str, ArtifactRef]:
     lineage = json.loads(storage.read_bytes(bundle.file("lineage.json")))
     # keys, checked to stay inside the store: a bundle's lineage cannot send the refresh elsewhere
     return {k: artifacts.load(artifacts.url(v["key"])) for k, v in lineage["stages"].items()}
+
+
+def _shipped_candidate(artifacts: Store, current: ArtifactRef, refs: dict[str, ArtifactRef]
+                       ) -> tuple[str, DraftCandidate]:
+    """The name and training config of the draft the release (or the last promoted refresh) ships: the one
+    candidate of a refresh's draft artifact, else the candidate the release's evaluation chose."""
+    listing = json.loads(storage.read_bytes(current.file("draft/drafts.json")))["candidates"]
+    if len(listing) == 1:
+        name = listing[0]
+    else:
+        report = load_report(lambda n: storage.read_bytes(refs["evaluate"].file(n)))
+        name = report["draft"]["name"]
+    meta = json.loads(storage.read_bytes(current.file(f"draft/{name}/draft_config.json")))
+    return name, DraftCandidate(**meta["candidate"])
 
 
 @flow(name="draft-refresh", log_prints=True, on_failure=[cancel_stage_runs], on_crashed=[cancel_stage_runs],
@@ -49,18 +63,22 @@ def draft_refresh(recipe: str = "tiny", overrides: list[str] | None = None, stor
     finetuned = refs["finetune"]
     served = cfg.served_model(finetuned, refs.get("quant"))  # what the release serves
     current = artifacts.read_pointer(f"drafts/{cfg.name}") or refs["draft"]
+    name, shipped = _shipped_candidate(artifacts, current, refs)
     refresh = cfg.refresh
     stages = Stages(store, cfg.execution, cfg.resources)
     data = stages.run("data_prep[fresh]", "data_prep", refresh.data, {"tokenizer": finetuned})
     traces = stages.run("traces[fresh]", "traces", refresh.traces.model_copy(update={"target": cfg.serve}),
                         {"model": served, "data": data})
-    candidate = stages.run("draft[candidate]", "draft", refresh.draft.model_copy(update={"target": cfg.serve}),
+    # the candidate is the shipped draft's kind and objective, warm-started from it (the release's other
+    # candidates are not retrained: promotion compares the same drafter before and after fresh data)
+    candidate = stages.run("draft[candidate]", "draft",
+                           refresh.draft.model_copy(update={"target": cfg.serve, "candidates": [shipped]}),
                            {"target": served, "traces": traces, "init": current})
     # Draft-only evaluation at temperature 0 (the promotion criterion), against the served model, on the
     # fresh data's held-out prompts; no base. Its one gate is losslessness; promotion compares the two
     # drafts' acceptance below (the release's quality gates judged the served model already).
     eval_cfg = EvalConfig(**{**cfg.evaluate.model_dump(), "spec_target": cfg.serve, "spec_temperatures": [0.0],
-                           "spec_tree": False, "declared_gates": None,
+                           "serve_temperature": 0.0, "spec_tree": False, "declared_gates": None, "drafts": [name],
                            "gates": Gates(finetune_improves=False, min_acceptance_length=0.0,
                                           max_quant_ppl_increase=1e9)})
     eval_inputs = {"finetune": finetuned, "data": data} | ({"quant": refs["quant"]} if cfg.serve != "finetuned" else {})

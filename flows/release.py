@@ -2,8 +2,10 @@
 
     data_prep(base corpus) -> base (pretrain, or import base.url)
     data_prep(corpus, base tokenizer) -> finetune -> quantize
-                                             \\-> traces(served model) -> draft (EAGLE-3)
-    evaluate(base, finetuned, quantized, draft) --gates--> export -> pointers/releases/<name>.json
+                                             \\-> traces(served model) -> draft (every candidate:
+                                                                               EAGLE-3, P-EAGLE, DFlash)
+    evaluate(base, finetuned, quantized, drafts: ships the fastest lossless) --gates--> export
+        -> pointers/releases/<name>.json
 
 Each stage is the `stage` task (flows/stages.py): cached on its fingerprint, so re-running a
 release resumes after the last committed stage and a finished release re-runs in seconds. With
@@ -51,10 +53,13 @@ def publish_report(cfg: ReleaseConfig, evaluation: ArtifactRef) -> dict[str, Any
     rows = [{"metric": f"perplexity/{k}", "value": round(v, 4)} for k, v in report["perplexity"].items()]
     for scheme, q in report["quantization"].items():
         rows += [{"metric": f"{scheme}/{k}", "value": round(v, 5)} for k, v in q.items()]
-    for name in ("draft", "mtp"):  # the EAGLE-3 draft, and a DeepSeek/GLM target's own MTP head
-        for run, r in report.get(name, {}).get("runs", {}).items():
+    drafts = {f"draft[{n}]": r for n, r in report.get("drafts", {}).items()}  # every candidate the stage trained
+    for name, entry in {**drafts, "mtp": report.get("mtp", {})}.items():  # + a DeepSeek/GLM target's own MTP head
+        for run, r in entry.get("runs", {}).items():
             rows += [{"metric": f"{name}/{run}/{k}", "value": round(r[k], 4)}
                      for k in ("acceptance_length", "speedup")]
+    if "draft" in report:
+        rows.append({"metric": "draft shipped", "value": report["draft"].get("name", "?")})
     rows += [{"metric": f"gate: {g['gate']}", "value": "pass" if g["passed"] else "FAIL"} for g in report["gates"]]
     create_table_artifact(rows, key=f"{key}-metrics", description=f"{cfg.name}: release metrics")
     return report

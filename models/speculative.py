@@ -90,6 +90,44 @@ class DraftHead(Protocol):
                  cache: KVCache | None = None) -> tuple[jax.Array, jax.Array, KVCache | None]: ...
 
 
+@runtime_checkable
+class BlockDraft(Protocol):
+    """A draft that proposes k tokens in ONE forward (P-EAGLE: models.peagle.PEagleDraft; DFlash:
+    models.dflash.DFlashDraft). Besides `target_layers`, `target_token_ids` and `init_cache` (as DraftHead):
+
+    `context(input_ids [B, T], features [B, T, F], *, positions [B, T], segment_ids=None [B, T], cache)
+    -> cache`: write real entries (entry p: token t_{p+1}, feature f_p) at each row's cache.length.
+
+    `propose(input_ids [B, W], features [B, W, F], num_valid [B], *, cache, k) -> (logits [B, k, Vd],
+    cache)`: the pending block (entries j < num_valid[b] real, at positions cache.length + j) is written to
+    the cache, and ONE forward drafts the k tokens after the newest token x (the token of the last real
+    entry, at position P = cache.length + num_valid): logits[:, i] is the draft for position P + 1 + i.
+    `max_block`: the largest k it was trained for.
+    """
+
+    @property
+    def target_layers(self) -> tuple[int, ...]: ...
+
+    @property
+    def target_token_ids(self) -> jax.Array: ...
+
+    @property
+    def max_block(self) -> int: ...
+
+    def init_cache(self, batch: int, max_len: int) -> KVCache: ...
+
+    def context(self, input_ids: jax.Array, features: jax.Array, *, positions: jax.Array,
+                segment_ids: jax.Array | None = None, cache: KVCache) -> KVCache: ...
+
+    def propose(self, input_ids: jax.Array, features: jax.Array, num_valid: jax.Array, *, cache: KVCache,
+                k: int) -> tuple[jax.Array, KVCache]: ...
+
+
+def is_block_draft(draft: object) -> bool:
+    """True for drafts that propose a whole block per forward (`BlockDraft`), False for chain drafts."""
+    return callable(getattr(draft, "propose", None)) and callable(getattr(draft, "context", None))
+
+
 class MTPDraft(nnx.Module):
     """A DeepSeek-V3 / GLM-4.5 target's own multi-token-prediction layer as a DraftHead.
 
@@ -273,11 +311,16 @@ def speculative_generate(
     greedy = float(temperature) == 0.0
     if float(temperature) < 0 or not 0.0 < float(top_p) <= 1.0:
         raise ValueError(f"temperature must be >= 0 and top_p in (0, 1], got {temperature}, {top_p}")
+    block = is_block_draft(draft)
     if mode == "chain":
         if k < 1:
             raise ValueError("k must be >= 1")
+        if block and k > draft.max_block:
+            raise ValueError(f"k {k}: {type(draft).__name__} drafts at most {draft.max_block} tokens per forward")
         tree = None
     elif mode == "tree":
+        if block:
+            raise ValueError(f"mode='tree' needs a chain draft; {type(draft).__name__} drafts a block per forward")
         if not greedy or B != 1:
             raise ValueError(f"mode='tree' supports greedy decoding (temperature 0) of one prompt [1, T]; "
                              f"got temperature {temperature}, batch {B}")
@@ -301,7 +344,7 @@ def speculative_generate(
     tokens, n_out, calls, emitted, accepted, drafted, drafts = _speculative_jit(
         graphdef, state, prompt_ids, rng, jnp.float32(1.0 if greedy else temperature), jnp.float32(top_p),
         _eos_array(eos_token_id), jnp.int32(pad_token_id), max_new_tokens=max_new_tokens, k=k, greedy=greedy,
-        use_top_p=not greedy and float(top_p) < 1.0, layers=tuple(draft.target_layers), tree=tree)
+        use_top_p=not greedy and float(top_p) < 1.0, layers=tuple(draft.target_layers), tree=tree, block=block)
     calls = int(calls)
     return SpecOutput(tokens=tokens, lengths=n_out, num_target_calls=calls, emitted=np.asarray(emitted)[:calls],
                       position_accepted=np.asarray(accepted), position_drafted=np.asarray(drafted),
@@ -314,9 +357,9 @@ def _rows(cache: KVCache, idx: jax.Array) -> KVCache:
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "k", "greedy", "use_top_p", "layers",
-                                             "tree"))
+                                             "tree", "block"))
 def _speculative_jit(graphdef, state, prompt_ids, rng, temperature, top_p, eos_ids, pad_id, *, max_new_tokens, k,
-                     greedy, use_top_p, layers, tree):
+                     greedy, use_top_p, layers, tree, block):
     target, draft = nnx.merge(graphdef, state)
     B, T = prompt_ids.shape
     M, V = max_new_tokens, target.config.vocab_size
@@ -342,9 +385,11 @@ def _speculative_jit(graphdef, state, prompt_ids, rng, temperature, top_p, eos_i
         x = x.astype(jnp.int32)
     d_cache = draft.init_cache(B, S)
     if T > 1:
-        _, _, d_cache = draft(prompt_ids[:, 1:], features=feats[:, :-1],
-                              positions=jnp.broadcast_to(jnp.arange(T - 1, dtype=jnp.int32), (B, T - 1)),
-                              cache=d_cache)
+        prefix_pos = jnp.broadcast_to(jnp.arange(T - 1, dtype=jnp.int32), (B, T - 1))
+        if block:
+            d_cache = draft.context(prompt_ids[:, 1:], feats[:, :-1], positions=prefix_pos, cache=d_cache)
+        else:
+            _, _, d_cache = draft(prompt_ids[:, 1:], features=feats[:, :-1], positions=prefix_pos, cache=d_cache)
     pend_tok = jnp.zeros((B, W), jnp.int32).at[:, 0].set(x)
     pend_feat = jnp.zeros((B, W, feats.shape[-1]), feats.dtype).at[:, 0].set(feats[:, -1])
     out = jnp.full((B, M + W), pad_id, jnp.int32).at[:, 0].set(x)
@@ -368,9 +413,8 @@ def _speculative_jit(graphdef, state, prompt_ids, rng, temperature, top_p, eos_i
         q = jnp.zeros((B, V), jnp.float32).at[:, tmap].set(jax.nn.softmax(scaled, axis=-1))
         return tmap[jax.random.categorical(key, scaled, axis=-1)], q
 
-    def chain_step(x, pos, pend_tok, pend_feat, pend_n, t_cache, d_cache, rng):
-        """Draft k tokens, verify them in one target forward. -> (n [B], tokens [B, W], features [B, W, F],
-        target cache, draft cache (rolled back to pos), rng, drafts [B, k])."""
+    def draft_chain(pos, pend_tok, pend_feat, pend_n, d_cache, rng):
+        """k sequential draft forwards (EAGLE-3, MTP). -> (drafts [B, k], q [B, k, V] or None, cache, rng)."""
         lg, h, d_cache = extend(pend_tok, pend_feat, pend_n, d_cache)
         rng, key = jax.random.split(rng)
         d1, q1 = propose(lg, key)
@@ -386,12 +430,32 @@ def _speculative_jit(graphdef, state, prompt_ids, rng, temperature, top_p, eos_i
         (_, _, d_cache, rng), (rest, rest_q) = jax.lax.scan(draft_step, (d1, h, d_cache, rng),
                                                              jnp.arange(1, k, dtype=jnp.int32))
         drafts = jnp.concatenate([d1[:, None], rest.T], axis=1)  # [B, k]
-        block = jnp.concatenate([x[:, None], drafts], axis=1)  # [B, W]
-        t_logits, t_cache, hidden = target(block, positions=pos[:, None] + j_w, cache=t_cache, return_hidden=layers)
+        q = None if greedy else jnp.concatenate([q1[:, None], rest_q.transpose(1, 0, 2)], axis=1)  # [B, k, V]
+        return drafts, q, d_cache, rng
+
+    def draft_block(pos, pend_tok, pend_feat, pend_n, d_cache, rng):
+        """ONE draft forward for all k tokens (P-EAGLE, DFlash): the draft at depth i does not see the
+        tokens drafted before it, so each is drawn from its own q_i (still exact: the rejection test only
+        needs q_i to be the distribution d_i was drawn from, given the verified prefix)."""
+        lg, d_cache = draft.propose(pend_tok, pend_feat, pend_n, cache=d_cache, k=k)  # [B, k, Vd]
+        if greedy:
+            return tmap[jnp.argmax(lg, axis=-1)], None, d_cache, rng
+        rng, key = jax.random.split(rng)
+        scaled = scaled_logits(lg, temperature, top_p, use_top_p)  # [B, k, Vd]
+        q = jnp.zeros((B, k, V), jnp.float32).at[:, :, tmap].set(jax.nn.softmax(scaled, axis=-1))
+        return tmap[jax.random.categorical(key, scaled, axis=-1)], q, d_cache, rng
+
+    def chain_step(x, pos, pend_tok, pend_feat, pend_n, t_cache, d_cache, rng):
+        """Draft k tokens, verify them in one target forward. -> (n [B], tokens [B, W], features [B, W, F],
+        target cache, draft cache (rolled back to pos), rng, drafts [B, k])."""
+        drafts, q, d_cache, rng = (draft_block if block else draft_chain)(pos, pend_tok, pend_feat, pend_n, d_cache,
+                                                                           rng)
+        verify_in = jnp.concatenate([x[:, None], drafts], axis=1)  # [B, W]
+        t_logits, t_cache, hidden = target(verify_in, positions=pos[:, None] + j_w, cache=t_cache,
+                                           return_hidden=layers)
         if greedy:
             n, toks = verify_greedy(drafts, t_logits)
         else:
-            q = jnp.concatenate([q1[:, None], rest_q.transpose(1, 0, 2)], axis=1)  # [B, k, V]
             p = jax.nn.softmax(scaled_logits(t_logits, temperature, top_p, use_top_p), axis=-1)  # [B, W, V]
             rng, key = jax.random.split(rng)
             n, toks = verify_sampled(drafts, q, p, key)

@@ -13,6 +13,7 @@ from typing import Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from models.lora_targets import ALL_LINEAR
+from models.objectives import check_objective
 from models.quant.schemes import parse_scheme
 from tasks.data.corpora import SPECIAL_TOKENS
 from tasks.training.config import TrainConfig
@@ -149,9 +150,49 @@ class TracesConfig(BaseModel):
         return self
 
 
+DRAFT_KINDS = ("eagle3", "peagle", "dflash", "mtp")
+
+
+class DraftCandidate(BaseModel):
+    """One draft the `draft` stage trains; `evaluate` measures every candidate and the release ships the
+    fastest lossless one (docs/speculative-decoding.md, which drafter is which)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # mtp: fine-tune the target's own MTP layers (DeepSeek-V3 / GLM-4.5 targets only), FastMTP-style
+    kind: Literal["eagle3", "peagle", "dflash", "mtp"] = "eagle3"
+    name: str | None = None  # its folder and report name; None: the kind, plus "-<loss>" for a non-default loss
+    # per-position objective (models/draft_losses.py): kl_div, rkl, jsd, ce, tv, nla, lk_hybrid, or {name: weight}
+    loss: str | dict[str, float] = "kl_div"
+    # the serving temperature the objective is computed at; None: the traces' (the temperature the target answered at)
+    temperature: float | None = Field(None, ge=0)
+    num_depths: int | None = Field(None, ge=1)  # peagle: parallel depths trained; mtp: recursive steps; None: k
+    step_weight_beta: float = Field(0.6, gt=0, le=1)  # mtp: step k's loss weight ∝ beta^k (FastMTP)
+    block_size: int | None = Field(None, ge=2)  # dflash: slots per block (anchor + drafts); None: k + 1
+    num_layers: int = Field(1, ge=1)  # dflash: draft decoder layers
+    num_anchors: int = Field(32, ge=1)  # dflash: blocks per row per training step
+    gamma: float = Field(4.0, gt=0)  # dflash: slot j's loss weight exp(-(j - 1) / gamma)
+
+    @field_validator("loss")
+    @classmethod
+    def _known_loss(cls, v: str | dict[str, float]) -> str | dict[str, float]:
+        check_objective(v)
+        return v
+
+    @property
+    def label(self) -> str:
+        if self.name is not None:
+            return self.name
+        if self.loss == "kl_div":
+            return self.kind
+        loss = self.loss if isinstance(self.loss, str) else "+".join(f"{k}{v:g}" for k, v in self.loss.items())
+        return f"{self.kind}-{loss}"
+
+
 class DraftConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
+    candidates: list[DraftCandidate] = Field([DraftCandidate()], min_length=1)
     k: int = Field(5, ge=1)  # draft tokens per verify forward the export recommends to engines
     ttt_steps: int = Field(7, ge=1)  # training-time-test unroll length (EAGLE-3: 7)
     ttt_decay: float = Field(0.8, gt=0, le=1)  # step k's loss weight = decay^k
@@ -164,6 +205,25 @@ class DraftConfig(BaseModel):
     seed: int = 0
     train: TrainConfig = TrainConfig(steps=300, batch_size=16, learning_rate=3e-3, warmup_steps=20,
                                      checkpoint_every=100)
+    # checkpoint selection by measured acceptance: every `select_every` steps (0: off, the last step is exported)
+    # the draft decodes `select_prompts` held-out trace prompts through the real speculative engine at the
+    # serving temperature, and the draft exported is the one with the highest τ
+    select_every: int = Field(0, ge=0)
+    select_prompts: int = Field(8, ge=1)
+    select_prompt_len: int = Field(48, ge=2)
+    select_max_new_tokens: int = Field(32, ge=1)
+
+    @model_validator(mode="after")
+    def _candidates(self) -> DraftConfig:
+        labels = [c.label for c in self.candidates]
+        if len(set(labels)) != len(labels):
+            raise ValueError(f"draft.candidates: names must be unique, got {labels} (set `name` to tell them apart)")
+        for c in self.candidates:
+            if c.kind == "peagle" and (c.num_depths or self.k) < self.k:
+                raise ValueError(f"draft.candidates[{c.label}]: num_depths {c.num_depths} < k {self.k}")
+            if c.kind == "dflash" and (c.block_size or self.k + 1) < self.k + 1:
+                raise ValueError(f"draft.candidates[{c.label}]: block_size {c.block_size} < k + 1 = {self.k + 1}")
+        return self
 
 
 class Gates(BaseModel):
@@ -227,6 +287,9 @@ class EvalConfig(BaseModel):
     spec_k: int = Field(5, ge=1)  # draft tokens per verify forward (chain)
     spec_batch_size: int = Field(1, ge=1)  # rows decoded together, by both the plain and the speculative decoder
     spec_temperatures: list[float] = Field([0.0, 1.0], min_length=1)
+    # the temperature the release serves at: the draft candidate shipped is the fastest lossless one there
+    serve_temperature: float = Field(0.0, ge=0)
+    drafts: list[str] | None = None  # measure only these draft candidates (by name); None: every one
     spec_tree: bool = True  # also measure EAGLE-2 dynamic-tree drafting (temperature 0, batch 1)
     tree_top_k: int = Field(4, ge=1)
     tree_depth: int = Field(5, ge=1)
@@ -242,6 +305,9 @@ class EvalConfig(BaseModel):
     def _check(self) -> EvalConfig:
         if any(t < 0 for t in self.spec_temperatures):
             raise ValueError("spec_temperatures must be >= 0")
+        if self.serve_temperature not in self.spec_temperatures:
+            raise ValueError(f"serve_temperature {self.serve_temperature:g} must be one of spec_temperatures "
+                             f"{self.spec_temperatures} (the draft is chosen by its speedup there)")
         if self.spec_tree and self.spec_batch_size != 1:
             raise ValueError("spec_tree needs spec_batch_size 1 (tree drafting decodes one sequence)")
         return self

@@ -7,13 +7,15 @@ Measured in one run, on the same held-out rows and prompts:
   over data_prep's valid split -- for instruction data, the answer tokens only);
 - per quantized scheme: token-level KL(fine-tuned || quantized) and top-1 agreement over the same
   positions, and the decoder weight bytes relative to float32;
-- the EAGLE-3 draft (and, for DeepSeek-V3/GLM-4.5 targets, the target's own MTP head as a draft):
-  speculative decoding vs plain decoding of the served target (the fine-tuned model or the quantized
-  variant named by `spec_target`), at the same batch size, on held-out prompts, at every
-  `spec_temperatures` (chain drafting of `spec_k` tokens) and with EAGLE-2 dynamic-tree drafting at
-  temperature 0: mean acceptance length τ (tokens emitted per target verify forward), per-position
-  acceptance, wall-clock speedup (tokens/s ratio; both decoders compiled before timing and timed
-  alternately) and, at temperature 0, losslessness (the outputs must equal greedy decoding).
+- every draft candidate of the draft artifact (EAGLE-3, P-EAGLE, DFlash; and, for DeepSeek-V3/GLM-4.5
+  targets, the target's own MTP head): speculative decoding vs plain decoding of the served target (the
+  fine-tuned model or the quantized variant named by `spec_target`), at the same batch size, on held-out
+  prompts, at every `spec_temperatures` (`spec_k` draft tokens per verify: chained, or in one forward
+  for a block draft) and with EAGLE-2 dynamic-tree drafting at temperature 0 (chain drafts): mean
+  acceptance length τ (tokens emitted per target verify forward), per-position acceptance, wall-clock
+  speedup (tokens/s ratio; both decoders compiled before timing and timed alternately) and, at
+  temperature 0, losslessness (the outputs must equal greedy decoding). `draft` in the report is the
+  candidate the release ships: the fastest at `serve_temperature` that passes the draft gates.
 Output: `report.json` (what was measured about the models: deterministic), `timing.json` (wall-clock
 numbers: speedups, tokens/s, quantize seconds) and `report.md` (both, for people; `load_report` merges
 the two JSON files back). Gates are evaluated and recorded; the export stage refuses to publish a
@@ -38,12 +40,13 @@ import pyarrow.parquet as pq
 from flax import nnx
 
 import models
-from models.eagle3 import load_eagle3
+from models.draft_format import folder_kind
+from models.drafts import load_draft, target_head
 from models.generate import generate
-from models.speculative import MTPDraft, speculative_generate
+from models.speculative import MTPDraft, is_block_draft, speculative_generate
 from tasks.cli import OPTIONAL_PATH, PATH, stage_main
 from tasks.configs import EvalConfig, Gates
-from tasks.layout import draft_dir, model_dir
+from tasks.layout import draft_candidates, model_dir
 from tasks.stage import StageContext, read_report, write_report
 from tasks.training.config import Progress
 from tasks.training.data import PackedBatches
@@ -189,17 +192,64 @@ def speculative(target: nnx.Module, draft: nnx.Module, prompts: list[np.ndarray]
 
 def draft_report(target: nnx.Module, draft: nnx.Module, prompts: list[np.ndarray], cfg: EvalConfig,
                  eos: Any) -> dict[str, Any]:
-    """The draft's entry of the report: chain decoding at every `spec_temperatures` (the headline numbers are
-    temperature 0's), plus the EAGLE-2 dynamic tree at temperature 0 when `spec_tree`."""
+    """One draft's entry of the report: chain (or, for a block draft, parallel) decoding at every
+    `spec_temperatures` (the headline numbers are temperature 0's), plus the EAGLE-2 dynamic tree at
+    temperature 0 when `spec_tree` and the draft drafts one token per forward."""
     runs = {f"chain_t{t:g}": speculative(target, draft, prompts, cfg, eos, temperature=t)
             for t in cfg.spec_temperatures}
-    if cfg.spec_tree:
+    if cfg.spec_tree and not is_block_draft(draft):
         runs["tree_t0"] = speculative(target, draft, prompts, cfg, eos, temperature=0.0, mode="tree")
     greedy = runs.get("chain_t0") or speculative(target, draft, prompts, cfg, eos, temperature=0.0)
+    serving = runs[f"chain_t{cfg.serve_temperature:g}"]
     return {"acceptance_length": greedy["acceptance_length"], "speedup": greedy["speedup"],
+            "serve_temperature": cfg.serve_temperature, "serve_acceptance_length": serving["acceptance_length"],
+            "serve_speedup": serving["speedup"],
             "draft_tokens": cfg.spec_k, "lossless": all(r.get("lossless", True) for r in runs.values()),
             "mismatched_rows": sum(r.get("mismatched_rows", 0) for r in runs.values()),
             "per_position_acceptance": greedy["per_position_acceptance"], "runs": runs}
+
+
+def choose_draft(reports: dict[str, dict[str, Any]], min_acceptance_length: float = 0.0) -> str:
+    """The candidate the release ships: the fastest (speedup at the serving temperature) among those that
+    pass the draft gates (lossless, τ at T = 0 >= the acceptance floor); else the fastest lossless one; else
+    the fastest (the gates then fail the release and say why)."""
+    passing = [n for n, r in reports.items() if r["lossless"] and r["acceptance_length"] >= min_acceptance_length]
+    pool = passing or [n for n, r in reports.items() if r["lossless"]] or list(reports)
+    return max(pool, key=lambda n: reports[n]["serve_speedup"])
+
+
+def mtp_draft(finetuned: Path, folder: Path) -> nnx.Module:
+    """A fine-tuned MTP head (a draft folder's `mtp/`) as a draft: a copy of the fine-tuned model (the full-
+    precision main stack the head was trained on, whatever variant is served) with those MTP layers."""
+    import safetensors.numpy
+
+    from models.mtp_finetune import load_mtp_state
+    copy = models.from_pretrained(str(finetuned))
+    load_mtp_state(copy, safetensors.numpy.load_file(str(folder / "mtp" / "model.safetensors")))
+    return MTPDraft(copy)
+
+
+def candidates_report(served: nnx.Module, candidates: dict[str, Path], prompts: list[np.ndarray], cfg: EvalConfig,
+                      eos: Any, finetuned: Path) -> dict[str, dict[str, Any]]:
+    """Every draft candidate measured on the same prompts against the same served model, with what the
+    draft stage recorded about it (kind, objective, parameters, training time, selected checkpoint)."""
+    out = {}
+    if cfg.drafts is not None:
+        unknown = sorted(set(cfg.drafts) - set(candidates))
+        if unknown:
+            raise ValueError(f"evaluate.drafts: no draft candidate named {unknown} (have: {sorted(candidates)})")
+        candidates = {n: candidates[n] for n in cfg.drafts}
+    for name, folder in candidates.items():
+        if folder_kind(folder) == "mtp":
+            draft = mtp_draft(finetuned, folder)
+        else:
+            draft = load_draft(folder, served.embed_tokens.weight[...], target_head(served))
+        meta_file = folder / "draft_config.json"
+        meta = read_report(lambda n, f=folder: (f / n).read_bytes(), meta_file.name) if meta_file.exists() else {}
+        trained = {k: meta[k] for k in ("objective", "train_temperature", "trainable_params", "train_seconds",
+                                        "selected_step", "selected_acceptance_length") if k in meta}
+        out[name] = {"kind": folder_kind(folder), **trained, **draft_report(served, draft, prompts, cfg, eos)}
+    return out
 
 
 # -- gates and report ------------------------------------------------------------------------------
@@ -258,10 +308,28 @@ def markdown(report: dict[str, Any]) -> str:
             lines.append(f"| {s} | {q['perplexity']:.4f} | {100 * q['perplexity_increase']:+.3f}% | {q['kl']:.5f} "
                          f"| {q['top1_agreement']:.4f} | {'n/a' if ratio is None else f'{ratio:.3f}x'} "
                          f"| {'n/a' if secs is None else f'{secs:.1f} s'} |")
+    if report.get("drafts"):
+        chosen = report["draft"]["name"]
+        t_s = report["draft"]["serve_temperature"]
+        lines += ["", "## Draft candidates", "",
+                  f"Every candidate the draft stage trained, on the same held-out prompts and served model; the "
+                  f"bundle ships **{chosen}**: the fastest at the serving temperature T={t_s:g} among those that "
+                  f"pass the draft gates (lossless, acceptance floor).", "",
+                  f"| draft | kind | objective | τ (T=0) | τ (T={t_s:g}) | per-position acceptance (T=0) "
+                  f"| speedup (T=0) | speedup (T={t_s:g}) | lossless | draft params | train time |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+        for n, r in report["drafts"].items():
+            obj = r.get("objective", "?")
+            lines.append(f"| {'**' + n + '**' if n == chosen else n} | {r['kind']} | {obj} "
+                         f"| {r['acceptance_length']:.2f} | {r['serve_acceptance_length']:.2f} "
+                         f"| {' '.join(f'{a:.2f}' for a in r['per_position_acceptance'])} "
+                         f"| {r['speedup']:.2f}x | {r['serve_speedup']:.2f}x | {r['lossless']} "
+                         f"| {r.get('trainable_params', 0) / 1e6:.2f}M | {r.get('train_seconds', 0):.0f} s |")
     for name in ("draft", "mtp"):
         if name not in report:
             continue
-        what = "EAGLE-3 draft" if name == "draft" else "the target's own MTP head as the draft"
+        what = (f"the shipped draft ({report[name].get('name', 'EAGLE-3')})" if name == "draft"
+                else "the target's own MTP head as the draft")
         lines += ["", f"## Speculative decoding: {what}", "",
                   "| run | temperature | batch | k | acceptance length | per-position acceptance | speedup "
                   "| plain tok/s | speculative tok/s | lossless |", "|---|---|---|---|---|---|---|---|---|---|"]
@@ -314,8 +382,9 @@ def evaluate(cfg: EvalConfig, *, base: Path | None, finetuned: Path, quantized: 
     if draft is not None or getattr(target, "num_mtp_layers", 0):
         prompts = spec_prompts(data_dir, cfg)
         if draft is not None:
-            eagle = load_eagle3(str(draft), embed_tokens=served.embed_tokens.weight[...])
-            report["draft"] = {**draft_report(served, eagle, prompts, cfg, eos), "target": cfg.spec_target}
+            report["drafts"] = candidates_report(served, draft_candidates(draft), prompts, cfg, eos, finetuned)
+            chosen = choose_draft(report["drafts"], cfg.gates.min_acceptance_length)
+            report["draft"] = {**report["drafts"][chosen], "name": chosen, "target": cfg.spec_target}
         if getattr(served, "num_mtp_layers", 0):  # DeepSeek-V3 / GLM-4.5: the built-in MTP head as a draft
             report["mtp"] = draft_report(served, MTPDraft(served), prompts, cfg, eos)
     report |= judge(report, cfg)
@@ -341,7 +410,7 @@ def run(config: EvalConfig, inputs: Mapping[str, Path], output: Path, *, progres
     schemes = {p.name: p for p in sorted(quant.iterdir()) if (p / "config.json").exists()} if quant else {}
     return evaluate(config, base=model_dir(inputs["base"]) if "base" in inputs else None,
                     finetuned=model_dir(inputs["finetune"]), quantized=schemes,
-                    draft=draft_dir(inputs["draft"]) if "draft" in inputs else None,
+                    draft=inputs.get("draft"),
                     data_dir=inputs["data"], out_dir=output)
 
 
@@ -349,7 +418,7 @@ def main(argv: list[str] | None = None) -> None:
     def run(cfg: EvalConfig, a) -> dict[str, Any]:
         quantized = {s.split("=", 1)[0]: Path(s.split("=", 1)[1]) for s in a.quantized}
         return evaluate(cfg, base=a.base and model_dir(a.base), finetuned=model_dir(a.finetuned), quantized=quantized,
-                        draft=a.draft and draft_dir(a.draft), data_dir=a.data, out_dir=a.out)
+                        draft=a.draft, data_dir=a.data, out_dir=a.out)
 
     stage_main(__doc__, EvalConfig, {
         "--base": OPTIONAL_PATH, "--finetuned": PATH, "--draft": OPTIONAL_PATH, "--data": PATH,

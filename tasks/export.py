@@ -4,8 +4,9 @@
       model/              HF layout (config.json, safetensors, tokenizer.json + tokenizer_config.json with the
                           chat template the data was rendered with, generation_config.json)
       adapter/            PEFT LoRA adapter (LoRA runs)
-      draft/              the EAGLE-3 draft: sglang/ (LlamaForCausalLMEagle3, SGLang and vLLM), speculators/
-                          (vLLM speculators Eagle3Speculator), draft_config.json
+      draft/              the draft candidate evaluate chose (the fastest that passes the gates): speculators/ (vLLM
+                          speculators layout: Eagle3Speculator, PEagleSpeculator or DFlashSpeculator), sglang/
+                          (EAGLE-3 only: LlamaForCausalLMEagle3, SGLang and vLLM), draft_config.json
       quantized/<scheme>/ compressed-tensors checkpoints
       eval/               report.json, report.md
       lineage.json        recipe, stage fingerprints, digests and store keys, waivers, git SHA, code version
@@ -21,9 +22,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from models.draft_format import folder_kind
 from storage import git_sha
 from tasks.code import source_version
 from tasks.configs import ExportConfig
+from tasks.layout import draft_dir
 from tasks.stage import StageContext
 
 
@@ -36,8 +39,65 @@ def _copytree(src: Path, dst: Path) -> None:
     shutil.copytree(src, dst, ignore=shutil.ignore_patterns(".complete", "manifest.json"))
 
 
+def install_mtp(model_dir: Path, mtp_file: Path) -> list[str]:
+    """Replace the MTP-layer tensors of the checkpoint in `model_dir` by a fine-tuned head's (`mtp_file`,
+    the same names), shard by shard, each keeping its dtype: engines that draft with a DeepSeek / GLM
+    target's own MTP layers read them from the target checkpoint. Returns the rewritten shard names;
+    ValueError naming a tensor the checkpoint does not have or of another shape."""
+    from safetensors import safe_open
+    from safetensors.numpy import load_file, save_file
+
+    new = load_file(str(mtp_file))
+    index = model_dir / "model.safetensors.index.json"
+    where = (json.loads(index.read_text())["weight_map"] if index.exists()
+             else dict.fromkeys(new, "model.safetensors"))
+    missing = sorted(n for n in new if n not in where)
+    if missing:
+        raise ValueError(f"{model_dir}: the checkpoint has no tensor {missing[0]} of the fine-tuned MTP head "
+                         f"({len(missing)} missing)")
+    shards = sorted({where[n] for n in new})
+    for shard in shards:
+        path = model_dir / shard
+        with safe_open(str(path), "numpy") as f:
+            meta = f.metadata()
+        tensors = load_file(str(path))
+        for name in (n for n in new if where[n] == shard):
+            if tensors[name].shape != new[name].shape:
+                raise ValueError(f"{path}: {name} is {list(tensors[name].shape)}, the MTP head's "
+                                 f"{list(new[name].shape)}")
+            tensors[name] = new[name].astype(tensors[name].dtype)
+        save_file(tensors, str(path), metadata=meta)
+    return shards
+
+
+def draft_rows(kind: str, name: str, target: str, k: int) -> list[str]:
+    """The model card's rows for the shipped draft: where it is and the serving command of each engine
+    that loads its kind (docs/speculative-decoding.md, which engine serves which drafter)."""
+    rows = []
+    if kind == "mtp":
+        return [f"| `draft/mtp/` | `{name}`: the target's own MTP layer(s) fine-tuned on its traces, also written into "
+                f"`model/` (vLLM: `--speculative-config '{{\"method\": \"deepseek_mtp\", \"num_speculative_tokens\": "
+                f"{k}}}'`; SGLang: `--speculative-algorithm NEXTN --speculative-num-steps {k}`) |"]
+    if kind == "eagle3":
+        rows.append(f"| `draft/sglang/` | EAGLE-3 draft `{name}` for `{target}/`, k={k} (SGLang: "
+                    f"`--speculative-algorithm EAGLE3 --speculative-draft-model-path draft/sglang "
+                    f"--speculative-num-steps {k} --speculative-eagle-topk 1 "
+                    f"--speculative-num-draft-tokens {k + 1}`) |")
+        spec = {"model": "draft/speculators", "num_speculative_tokens": k}
+        what = "the same draft in vLLM's speculators layout"
+    elif kind == "peagle":
+        spec = {"model": "draft/speculators", "num_speculative_tokens": k, "parallel_drafting": True}
+        what = (f"P-EAGLE draft `{name}` for `{target}/` (all {k} tokens in one draft forward), vLLM's "
+                "speculators layout")
+    else:
+        spec = {"model": "draft/speculators", "num_speculative_tokens": k}
+        what = f"DFlash block draft `{name}` for `{target}/` ({k} tokens per block forward), vLLM's speculators layout"
+    rows.append(f"| `draft/speculators/` | {what} (`vllm serve {target} --speculative-config '{json.dumps(spec)}'`) |")
+    return rows
+
+
 def model_card(cfg: ExportConfig, report_md: str, lineage: dict[str, Any], has_adapter: bool,
-               schemes: list[str]) -> str:
+               schemes: list[str], draft_kind: str = "eagle3", draft_name: str = "eagle3") -> str:
     ft = cfg.recipe.get("finetune", {})
     draft_k = cfg.recipe.get("draft", {}).get("k", 4)
     base = cfg.recipe.get("base", {}).get("url") or "a scratch Llama pretrained by forgeline (see lineage.json)"
@@ -61,12 +121,7 @@ def model_card(cfg: ExportConfig, report_md: str, lineage: dict[str, Any], has_a
         lines.append("| `adapter/` | the LoRA adapter, PEFT layout (`PeftModel.from_pretrained(base, 'adapter')`) |")
     served = cfg.recipe.get("serve", "finetuned")
     target = "model" if served == "finetuned" else f"quantized/{served}"
-    lines.append(f"| `draft/sglang/` | EAGLE-3 draft for `{target}/`, k={draft_k} (SGLang: `--speculative-algorithm "
-                 f"EAGLE3 --speculative-draft-model-path draft/sglang --speculative-num-steps {draft_k} "
-                 f"--speculative-eagle-topk 1 --speculative-num-draft-tokens {draft_k + 1}`) |")
-    spec_cfg = json.dumps({"model": "draft/speculators", "num_speculative_tokens": draft_k})
-    lines.append(f"| `draft/speculators/` | the same draft in vLLM's speculators layout "
-                 f"(`vllm serve {target} --speculative-config '{spec_cfg}'`) |")
+    lines += draft_rows(draft_kind, draft_name, target, draft_k)
     lines += [f"| `quantized/{s}/` | compressed-tensors checkpoint (`LLM('quantized/{s}')` in vLLM); per-layer error "
               f"plot `quant_error.svg`, details `quantization_report.json` |" for s in schemes]
     lines += ["| `eval/` | report.json, report.md |", "| `lineage.json` | what produced every file |", ""]
@@ -94,7 +149,11 @@ def run(config: ExportConfig, inputs: Mapping[str, Path], output: Path, *, progr
     has_adapter = (inp["finetune"] / "adapter").exists()
     if has_adapter:
         _copytree(inp["finetune"] / "adapter", out / "adapter")
-    _copytree(inp["draft"] / "draft", out / "draft")
+    draft_name = report["draft"]["name"]
+    _copytree(draft_dir(inp["draft"], draft_name), out / "draft")
+    draft_kind = folder_kind(out / "draft")
+    if draft_kind == "mtp":  # engines draft with the target checkpoint's own MTP layers: ship the fine-tuned ones
+        install_mtp(out / "model", out / "draft" / "mtp" / "model.safetensors")
     schemes = sorted(p.name for p in inp["quant"].iterdir() if (p / "config.json").exists())
     for s in schemes:
         _copytree(inp["quant"] / s, out / "quantized" / s)
@@ -110,7 +169,7 @@ def run(config: ExportConfig, inputs: Mapping[str, Path], output: Path, *, progr
     }
     (out / "lineage.json").write_text(json.dumps(lineage, indent=1, sort_keys=True))
     (out / "README.md").write_text(model_card(cfg, (inp["evaluate"] / "report.md").read_text(), lineage,
-                                              has_adapter, schemes))
-    return {"name": cfg.name, "gates_passed": not failed, "waivers": len(lineage["waivers"]),
+                                              has_adapter, schemes, draft_kind, draft_name))
+    return {"name": cfg.name, "gates_passed": not failed, "waivers": len(lineage["waivers"]), "draft": draft_name,
             "schemes": schemes, "adapter": has_adapter,
             "stages": {k: v["fingerprint"] for k, v in lineage["stages"].items()}}

@@ -81,7 +81,7 @@ Work = Callable[[StageContext], dict[str, Any]]
 def is_measurement(key: str) -> bool:
     """What describes one run rather than its result: wall-clock numbers (seconds, rates, speedups) and the
     work it reused from an interrupted attempt (`reused_*`), which a clean run would not list."""
-    return key == "speedup" or key.endswith(("seconds", "_per_s")) or key.startswith("reused_")
+    return key.endswith(("speedup", "seconds", "_per_s")) or key.startswith("reused_")
 
 
 def split_measurements(report: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -129,25 +129,9 @@ class Eagle3Config:
         - aux_layer_ids default to `default_aux_layer_ids(num_hidden_layers)`.
         """
         t = target_config
-        D_t = int(t.hidden_size)
-        D = int(overrides.get("hidden_size", D_t))
-        heads = int(t.num_attention_heads)
-        if hasattr(t, "kv_lora_rank"):  # MLA
-            kv_heads, head_dim = heads, D // heads
-        else:
-            kv_heads = int(t.num_key_value_heads or heads)
-            head_dim = int(getattr(t, "head_dim", None) or D // heads)
-        scaling = dict(t.rope_scaling) if getattr(t, "rope_scaling", None) else None
-        rope_type = "default" if scaling is None else scaling.get("rope_type", scaling.get("type", "default"))
-        if rope_type in DRAFT_ROPE_TYPES:
-            theta, scaling = float(t.rope_theta), None if rope_type == "default" else scaling
-        else:
-            theta, scaling = DEFAULT_DRAFT_THETA, None
         kw = dict(
-            hidden_size=D, intermediate_size=_draft_ffn_width(t), num_attention_heads=heads,
-            num_key_value_heads=kv_heads, head_dim=head_dim, rms_norm_eps=float(t.rms_norm_eps),
-            rope_theta=theta, rope_scaling=scaling, max_position_embeddings=int(t.max_position_embeddings),
-            vocab_size=int(t.vocab_size), draft_vocab_size=int(draft_vocab_size), target_hidden_size=D_t,
+            **draft_geometry(t, int(overrides.get("hidden_size", t.hidden_size))),
+            draft_vocab_size=int(draft_vocab_size), target_hidden_size=int(t.hidden_size),
             aux_layer_ids=tuple(aux_layer_ids) if aux_layer_ids is not None
             else default_aux_layer_ids(int(t.num_hidden_layers)),
         )
@@ -263,6 +247,28 @@ class Eagle3Config:
             target_hidden_size=target_hidden,
             aux_layer_ids=tuple(aux),
         )
+
+
+def draft_geometry(t: Any, D: int) -> dict[str, Any]:
+    """The Llama-style layer geometry a feature-level draft of width D takes from a target config (the
+    rules of `Eagle3Config.for_target`; DFlash's too): heads, kv heads, head_dim, FFN width, norm eps, RoPE,
+    max positions and the target vocabulary."""
+    heads = int(t.num_attention_heads)
+    if hasattr(t, "kv_lora_rank"):  # MLA
+        kv_heads, head_dim = heads, D // heads
+    else:
+        kv_heads = int(t.num_key_value_heads or heads)
+        head_dim = int(getattr(t, "head_dim", None) or D // heads)
+    scaling = dict(t.rope_scaling) if getattr(t, "rope_scaling", None) else None
+    rope_type = "default" if scaling is None else scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type in DRAFT_ROPE_TYPES:
+        theta, scaling = float(t.rope_theta), None if rope_type == "default" else scaling
+    else:
+        theta, scaling = DEFAULT_DRAFT_THETA, None
+    return dict(hidden_size=D, intermediate_size=_draft_ffn_width(t), num_attention_heads=heads,
+                num_key_value_heads=kv_heads, head_dim=head_dim, rms_norm_eps=float(t.rms_norm_eps), rope_theta=theta,
+                rope_scaling=scaling, max_position_embeddings=int(t.max_position_embeddings),
+                vocab_size=int(t.vocab_size))
 
 
 def _draft_ffn_width(t: Any) -> int:

@@ -115,44 +115,57 @@ def load_eagle3(path_or_url: str, embed_tokens: jax.Array | np.ndarray, *, dtype
     with readable_dir(path_or_url) as folder:
         d = load_config(folder)
         config = Eagle3Config.from_hf(d, source=os.path.join(folder, "config.json"))
-        tensors = SafetensorsCheckpoint(folder)
         draft = nnx.eval_shape(lambda: Eagle3Draft(config, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=param_dtype))
         prefix = "layers.0." if d.get("speculators_model_type") is not None else "midlayer."
-        used: set[str] = set()
-        missing: list[str] = []
-        misshaped: list[str] = []
-
-        def get(name: str, shape: tuple[int, ...]) -> np.ndarray | None:
-            if name not in tensors:
-                missing.append(name)
-                return None
-            used.add(name)
-            if tuple(tensors.shape(name)) != shape:
-                misshaped.append(f"{name} {list(tensors.shape(name))} (expected {list(shape)})")
-                return None
-            return np.asarray(tensors[name])
-
-        for name, mod in _weight_modules(draft).items():
-            file_name = prefix + name[len("midlayer."):] if name.startswith("midlayer.") else name
-            if isinstance(mod, Linear):
-                w = get(f"{file_name}.weight", (mod.out_features, mod.in_features))
-                if w is not None:
-                    mod.kernel.set_value(jnp.asarray(w.astype(np.float32).T, param_dtype))
-            else:
-                w = get(f"{file_name}.weight", tuple(mod.weight.get_value().shape))
-                if w is not None:
-                    mod.weight.set_value(jnp.asarray(w.astype(np.float32), param_dtype))
-        Vd, V = config.draft_vocab_size, config.vocab_size
-        if "d2t" in tensors or "t2d" in tensors or Vd != V:
-            d2t, t2d = get("d2t", (Vd,)), get("t2d", (V,))
-        else:  # full-vocabulary draft: no mapping (speculators #200)
-            d2t, t2d = np.zeros((Vd,), np.int64), np.ones((V,), bool)
-        unexpected = sorted(set(tensors) - used - {"embed_tokens.weight"})
-        if missing or unexpected or misshaped:
-            parts = [f"{len(n)} {label}: {', '.join(n)}" for label, n in
-                     (("missing", missing), ("unexpected", unexpected), ("mis-shaped", misshaped)) if n]
-            raise ValueError(f"{os.path.join(folder, WEIGHTS_FILE)}: tensors do not match the EAGLE-3 draft: "
-                             + "; ".join(parts))
-    draft.set_vocab(d2t, t2d)
+        read_tensors(folder, draft, prefix, param_dtype=param_dtype)
     draft.load_embedding(embed_tokens)
     return draft
+
+
+def read_tensors(folder: str, draft: Eagle3Draft, prefix: str, *, param_dtype: Any = jnp.float32,
+                 extra: Mapping[str, nnx.Variable] | None = None) -> None:
+    """Fill an (abstract) EAGLE-3-style draft from `folder`'s safetensors: every exported weight (the
+    decoder layer under `prefix`), `d2t`/`t2d`, and `extra` (file name -> Variable of the same shape,
+    e.g. P-EAGLE's `mask_hidden`). One ValueError lists every missing, unexpected or mis-shaped tensor."""
+    config = draft.config
+    tensors = SafetensorsCheckpoint(folder)
+    used: set[str] = set()
+    missing: list[str] = []
+    misshaped: list[str] = []
+
+    def get(name: str, shape: tuple[int, ...]) -> np.ndarray | None:
+        if name not in tensors:
+            missing.append(name)
+            return None
+        used.add(name)
+        if tuple(tensors.shape(name)) != shape:
+            misshaped.append(f"{name} {list(tensors.shape(name))} (expected {list(shape)})")
+            return None
+        return np.asarray(tensors[name])
+
+    for name, mod in _weight_modules(draft).items():
+        file_name = prefix + name[len("midlayer."):] if name.startswith("midlayer.") else name
+        if isinstance(mod, Linear):
+            w = get(f"{file_name}.weight", (mod.out_features, mod.in_features))
+            if w is not None:
+                mod.kernel.set_value(jnp.asarray(w.astype(np.float32).T, param_dtype))
+        else:
+            w = get(f"{file_name}.weight", tuple(mod.weight.get_value().shape))
+            if w is not None:
+                mod.weight.set_value(jnp.asarray(w.astype(np.float32), param_dtype))
+    for name, var in (extra or {}).items():
+        w = get(name, tuple(var.get_value().shape))
+        if w is not None:
+            var.set_value(jnp.asarray(w.astype(np.float32), param_dtype))
+    Vd, V = config.draft_vocab_size, config.vocab_size
+    if "d2t" in tensors or "t2d" in tensors or Vd != V:
+        d2t, t2d = get("d2t", (Vd,)), get("t2d", (V,))
+    else:  # full-vocabulary draft: no mapping (speculators #200)
+        d2t, t2d = np.zeros((Vd,), np.int64), np.ones((V,), bool)
+    unexpected = sorted(set(tensors) - used - {"embed_tokens.weight"})
+    if missing or unexpected or misshaped:
+        parts = [f"{len(n)} {label}: {', '.join(n)}" for label, n in
+                 (("missing", missing), ("unexpected", unexpected), ("mis-shaped", misshaped)) if n]
+        raise ValueError(f"{os.path.join(folder, WEIGHTS_FILE)}: tensors do not match the "
+                         f"{type(draft).__name__}: " + "; ".join(parts))
+    draft.set_vocab(d2t, t2d)

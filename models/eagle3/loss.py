@@ -12,14 +12,17 @@ dim, V target vocab, Vd draft vocab, k TTT step.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
 
 from models.decoder import build_context
+from models.draft_losses import Objective, draft_loss
 from models.eagle3.model import Eagle3Draft
 from models.layers import NEG_INF
+
+Unroll = Callable[..., Iterator[jax.Array]]
 
 
 def _shift(x: jax.Array, s: int) -> jax.Array:
@@ -85,21 +88,24 @@ def ttt_unroll(draft: Eagle3Draft, token_ids: jax.Array, features: jax.Array, *,
 
 
 def ttt_loss(draft: Eagle3Draft, batch: Mapping[str, jax.Array], features: jax.Array, target_logits: jax.Array,
-             *, steps: int = 7, decay: float = 0.8) -> tuple[jax.Array, dict[str, jax.Array]]:
+             *, steps: int = 7, decay: float = 0.8, objective: Objective = "kl_div", temperature: float = 1.0,
+             unroll: Unroll = ttt_unroll) -> tuple[jax.Array, dict[str, jax.Array]]:
     """EAGLE-3 training-time-test loss over one packed batch (jit / grad friendly, no cache).
 
     batch: data_prep's packed columns `target_ids`, `positions`, `segment_ids`, `loss_mask` [B, T]
     (target_ids[p] = t_{p+1}); features [B, T, num_aux·D_t]; target_logits [B, T, V] (the target's
     logits at every position).
 
-    Step k at position p (see `ttt_unroll`) consumes target_ids[p + k] and is scored against
-    softmax(target_logits[p + 1 + k]) over the draft vocabulary (columns `target_token_ids`,
-    renormalised), under the mask m = loss_mask[p + 1 + k] ∧ (p + 1 + k in p's segment) ∧ (the
-    target's full-vocabulary argmax there is in the draft vocabulary).
+    Step k at position p (see `ttt_unroll`; `unroll` swaps in another draft's steps, e.g. P-EAGLE's
+    parallel depths) consumes target_ids[p + k] and is scored against the target's logits at p + 1 + k
+    restricted to the draft vocabulary (columns `target_token_ids`), under the mask
+    m = loss_mask[p + 1 + k] ∧ (p + 1 + k in p's segment) ∧ (the target's full-vocabulary argmax there is
+    in the draft vocabulary). The per-position loss is `objective` (models/draft_losses.py; default the
+    forward KL, EAGLE-3's soft-label objective) at serving `temperature`.
 
-    Returns (Σ_k decay^k Σ_{b,p} m · (−Σ_v P_v log Q_v), stats) with stats (each [steps], fp32):
-    `loss` the unweighted per-step sums, `acc_num` masked positions where the draft argmax equals
-    the restricted target argmax, `acc_den` masked positions. The caller divides by its token count.
+    Returns (Σ_k decay^k Σ_{b,p} m · loss, stats) with stats (each [steps], fp32): `loss` the
+    unweighted per-step sums, `acc_num` masked positions where the draft argmax equals the restricted
+    target argmax, `acc_den` masked positions. The caller divides by its token count.
     """
     if steps < 1:
         raise ValueError("steps must be >= 1")
@@ -109,19 +115,18 @@ def ttt_loss(draft: Eagle3Draft, batch: Mapping[str, jax.Array], features: jax.A
     # labels, once: the target restricted to the draft vocabulary (ascending target ids == t2d columns)
     full = target_logits.astype(jnp.float32)  # [B, T, V]
     restricted = jnp.take(full, draft.target_token_ids, axis=-1)  # [B, T, Vd]
-    probs = jax.nn.softmax(restricted, axis=-1)  # [B, T, Vd]
     label_arg = jnp.argmax(restricted, axis=-1)  # [B, T]
     in_draft = jnp.take(draft.t2d[...], jnp.argmax(full, axis=-1))  # [B, T] bool
     scored = loss_mask & in_draft  # [B, T]: position q may be a label
 
     total = jnp.zeros((), jnp.float32)
     losses, nums, dens = [], [], []
-    for k, logits in enumerate(ttt_unroll(draft, ids, features, positions=positions, segment_ids=seg, steps=steps)):
+    for k, logits in enumerate(unroll(draft, ids, features, positions=positions, segment_ids=seg, steps=steps)):
         s = 1 + k  # label position offset
         m = (_shift(scored, s) & (_shift(seg, s) == seg) & (seg != 0)).astype(jnp.float32)  # [B, T]
         logits = logits.astype(jnp.float32)
-        ce = -jnp.sum(_shift(probs, s) * jax.nn.log_softmax(logits, axis=-1), axis=-1)  # [B, T]
-        loss_k = jnp.sum(m * ce)
+        per_pos = draft_loss(logits, _shift(restricted, s), objective, temperature)  # [B, T]
+        loss_k = jnp.sum(m * per_pos)
         correct = (jnp.argmax(logits, axis=-1) == _shift(label_arg, s)).astype(jnp.float32)
         total = total + (decay**k) * loss_k
         losses.append(loss_k)

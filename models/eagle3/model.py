@@ -26,6 +26,7 @@ from flax import nnx
 
 from models.decoder import Context, build_context
 from models.eagle3.config import Eagle3Config
+from models.eagle3.vocab import check_vocab
 from models.generate import KVCache
 from models.layers import (
     INIT_STD,
@@ -158,15 +159,7 @@ class Eagle3Draft(nnx.Module):
 
     def set_vocab(self, d2t: jax.Array | np.ndarray, t2d: jax.Array | np.ndarray) -> None:
         """Install a draft vocabulary (build_draft_vocab): d2t [Vd] offsets, t2d [V] bool."""
-        c = self.config
-        d2t, t2d = np.asarray(d2t), np.asarray(t2d, bool)
-        if d2t.shape != (c.draft_vocab_size,) or t2d.shape != (c.vocab_size,):
-            raise ValueError(f"d2t {d2t.shape} / t2d {t2d.shape}: expected ({c.draft_vocab_size},) / ({c.vocab_size},)")
-        ids = np.arange(c.draft_vocab_size) + d2t
-        if ids.min() < 0 or ids.max() >= c.vocab_size or np.any(np.diff(ids) <= 0):
-            raise ValueError("d2t must map draft ids to strictly ascending target ids inside the vocabulary")
-        if not np.array_equal(np.flatnonzero(t2d), ids):
-            raise ValueError("t2d does not mark exactly the target ids that d2t maps to")
+        d2t, t2d = check_vocab(d2t, t2d, self.config.draft_vocab_size, self.config.vocab_size)
         self.d2t.set_value(jnp.asarray(d2t, jnp.int32))
         self.t2d.set_value(jnp.asarray(t2d))
 

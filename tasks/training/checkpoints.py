@@ -44,10 +44,13 @@ class Checkpoints:
         self._committed: list[int] = []
 
     @classmethod
-    def for_stage(cls, context: StageContext, keep: int) -> Checkpoints:
+    def for_stage(cls, context: StageContext, keep: int, sub: str | None = None) -> Checkpoints:
         """A stage run's checkpoints: local under its `checkpoint_dir`, uploaded under its checkpoint URL in
-        the store, resumed from there by a rerun of the same fingerprint."""
-        return cls(context.checkpoint_dir, context.store, f"{context.kind}/{context.fingerprint}", keep=keep)
+        the store, resumed from there by a rerun of the same fingerprint. `sub` separates the models of a
+        stage that trains several (the draft stage's candidates)."""
+        name = f"{context.kind}/{context.fingerprint}" + (f"/{sub}" if sub else "")
+        local = context.checkpoint_dir / sub if sub else context.checkpoint_dir
+        return cls(local, context.store, name, keep=keep)
 
     def save(self, step: int, state: dict[str, Any]) -> None:
         """Start saving `state` as `step`; returns once the arrays are copied off the devices."""

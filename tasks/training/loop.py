@@ -41,6 +41,7 @@ def fit(
     label: str = "train",
     logdir: Path | None = None,
     loader: Callable[..., PackedBatches] = PackedBatches,
+    on_step: Callable[[int], None] | None = None,
 ) -> dict[str, Any]:
     """Train `trainer` for `cfg.steps` steps on `data_dir`'s train split, resuming if possible.
 
@@ -48,6 +49,8 @@ def fit(
     terminal progress bar, TensorBoard event files under `logdir`, and `progress`). A NaN/Inf loss
     or gradient norm raises TrainingDiverged naming the step; no checkpoint after it is written.
     Returns JSON-able metrics: validation loss before and after, the final train loss, tokens/s, MFU.
+    `on_step(n)` runs after step n (1-based) is checked, e.g. the draft stage's held-out acceptance
+    measurement; its time is kept out of tokens/s.
     """
     cfg = trainer.cfg
     train = loader(data_dir, "train", cfg.batch_size, seed=cfg.seed)
@@ -124,6 +127,11 @@ def fit(
             if checkpoints is not None and ((step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps):
                 check(*pending)  # never checkpoint past a NaN
                 checkpoints.save(step + 1, trainer.state())
+            if on_step is not None:
+                check(*pending)
+                th = time.perf_counter()
+                on_step(step + 1)
+                t0 += time.perf_counter() - th  # not training time
         if pending is not None:
             check(*pending)
         if checkpoints is not None:

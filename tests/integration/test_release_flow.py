@@ -23,7 +23,7 @@ pytestmark = [pytest.mark.integration]
 BUNDLE_FILES = [  # (eval/timing.json and the model card are volatile: hashed, outside the digest)
     "model/config.json", "model/tokenizer.json", "model/tokenizer_config.json", "model/generation_config.json",
     "adapter/adapter_config.json",
-    "adapter/adapter_model.safetensors", "draft/sglang/config.json", "draft/sglang/model.safetensors",
+    "adapter/adapter_model.safetensors",
     "draft/speculators/config.json", "draft/speculators/model.safetensors", "draft/draft_config.json",
     "quantized/int8/config.json", "quantized/w4a16-gptq-g64/config.json",
     "quantized/w4a16-gptq-g64/model.safetensors", "quantized/w4a16-gptq-g64/quant_error.svg",
@@ -40,6 +40,12 @@ def test_bundle_layout_and_manifest(released, tmp_path):
                                                   "evaluate", "export"}
     for rel in BUNDLE_FILES:
         assert storage.exists(storage.join(url, rel)), rel
+    # the shipped draft is the candidate evaluate chose; an EAGLE-3 draft also ships SGLang's layout
+    report = json.loads(storage.read_bytes(storage.join(url, "eval/report.json")))
+    shipped = json.loads(storage.read_bytes(storage.join(url, "draft/draft_config.json")))
+    spec = json.loads(storage.read_bytes(storage.join(url, "draft/speculators/config.json")))
+    assert shipped["name"] == report["draft"]["name"] and spec["speculators_model_type"] == shipped["method"]
+    assert storage.exists(storage.join(url, "draft/sglang/config.json")) == (shipped["method"] == "eagle3")
     st = Store(store, cache_dir=tmp_path / "cache")
     ref = st.load(url)
     st.verify(ref)  # every file's sha256 matches the manifest
@@ -84,13 +90,24 @@ def test_report_schema_and_gates(released):
     assert timing["draft"]["speedup"] > 0 and set(timing["draft"]["runs"]) == set(d["runs"])
     assert all(timing["quantization"][s]["quantize_seconds"] > 0 for s in ("int8", "w4a16-gptq-g64"))
     assert d["target"] == "int8"  # the smoke recipe serves the int8 variant: the draft is measured against it
-    assert set(d["runs"]) == {"chain_t0", "chain_t1", "tree_t0"}
-    for run in d["runs"].values():
-        assert 1 <= run["acceptance_length"] <= d["draft_tokens"] + 1
-        assert len(run["per_position_acceptance"]) == d["draft_tokens"]
-    assert d["runs"]["tree_t0"]["lossless"] is True
+    # every candidate of the smoke recipe was measured; the shipped one is the fastest at T=0 of those that
+    # pass the draft gates (lossless, the acceptance floor)
+    drafts = report["drafts"]
+    assert list(drafts) == ["eagle3", "peagle-lk_hybrid", "dflash-lk_hybrid"] and d["name"] in drafts
+    speed = {n: timing["drafts"][n]["serve_speedup"] for n in drafts}
+    assert speed[d["name"]] == max(s for n, s in speed.items()
+                                   if drafts[n]["lossless"] and drafts[n]["acceptance_length"] >= floor)
+    for name, r in drafts.items():
+        assert r["lossless"] is True, name
+        assert set(r["runs"]) == ({"chain_t0", "chain_t1", "tree_t0"} if r["kind"] == "eagle3"
+                                  else {"chain_t0", "chain_t1"}), name
+        for run in r["runs"].values():
+            assert 1 <= run["acceptance_length"] <= r["draft_tokens"] + 1
+            assert len(run["per_position_acceptance"]) == r["draft_tokens"]
+        assert r["selected_step"] in (20, 40, 60) and r["trainable_params"] > 0
+    assert drafts["eagle3"]["runs"]["tree_t0"]["lossless"] is True
     card = storage.read_bytes(storage.join(url, "README.md")).decode()
-    assert "acceptance length" in card and "int8" in card
+    assert "acceptance length" in card and "int8" in card and "## Draft candidates" in card
 
 
 def test_transformers_and_peft_load_the_bundle(released, tmp_path):

@@ -450,7 +450,7 @@ def test_draft_logits_match_speculators_over_ttt_steps(spx, exported):
 
 
 def test_ttt_loss_matches_speculators_unroll(spx, exported):
-    """Two packed segments. Per-step soft-label CE of our `ttt_loss` vs the same CE (labels and
+    """Two packed segments. Per-step forward KL of our `ttt_loss` vs the same KL (labels and
     mask as in docs/speculative-decoding.md) computed from the library's unrolled logits."""
     model, _ = load_speculators_model(spx, exported["speculators"])
     draft = exported["draft"]
@@ -479,7 +479,8 @@ def test_ttt_loss_matches_speculators_unroll(spx, exported):
         for p in range(T - 1 - k):
             q = p + 1 + k  # the label position
             if loss_mask[0, q] and in_draft[q] and seg[0, q] == seg[0, p]:
-                loss += -(restricted[q] * logq[p]).sum()
+                P = restricted[q]
+                loss += (P * (np.log(P) - logq[p])).sum()  # forward KL(P || Q): speculators' kl_div
                 num += float(logq[p].argmax() == restricted[q].argmax())
                 den += 1
         assert den > 0

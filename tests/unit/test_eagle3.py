@@ -141,7 +141,7 @@ def test_cache_decode_matches_full_forward(draft):
 
 
 def reference_step_loss(logits: np.ndarray, batch, target_logits: np.ndarray, t2d: np.ndarray, k: int):
-    """Σ m·CE, correct, count for step k from per-position loops (labels at p + 1 + k)."""
+    """Σ m·KL(P‖Q), correct, count for step k from per-position loops (labels at p + 1 + k)."""
     seg, lm = np.asarray(batch["segment_ids"]), np.asarray(batch["loss_mask"])
     B, T = seg.shape
     loss = correct = count = 0.0
@@ -158,7 +158,7 @@ def reference_step_loss(logits: np.ndarray, batch, target_logits: np.ndarray, t2
             P /= P.sum()
             lq = logits[b, p].astype(np.float64)
             logq = lq - lq.max() - np.log(np.exp(lq - lq.max()).sum())
-            loss += -(P * logq).sum()
+            loss += (P * (np.log(P) - logq)).sum()  # forward KL(P || Q), the default objective
             correct += float(np.argmax(lq) == np.argmax(sub))
             count += 1
     return loss, correct, count

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.unit
 def _report(ft=10.0, q=10.04, lossless=True, acc=3.2):
     return {"perplexity": {"base": 12.0, "finetuned": ft, "int8": q}, "quantization": {"int8": {}},
             "draft": {"lossless": lossless, "mismatched_rows": 0 if lossless else 1, "acceptance_length": acc,
-                      "runs": {}}}
+                      "runs": {}, "name": "eagle3"}}
 
 
 @pytest.mark.parametrize("override, gate", [
@@ -98,8 +98,10 @@ def test_export_records_waivers_in_lineage_and_model_card(tmp_path):
     (inputs["evaluate"] / "report.md").write_text(markdown({**report, "quantization": {}}))
     (inputs["finetune"] / "model").mkdir()
     (inputs["finetune"] / "model" / "config.json").write_text("{}")
-    (inputs["draft"] / "draft").mkdir()
-    (inputs["draft"] / "draft" / "draft_config.json").write_text("{}")
+    (inputs["draft"] / "draft" / "eagle3" / "sglang").mkdir(parents=True)  # the draft stage's layout, one candidate
+    (inputs["draft"] / "draft" / "eagle3" / "sglang" / "config.json").write_text("{}")
+    (inputs["draft"] / "draft" / "eagle3" / "draft_config.json").write_text('{"name": "eagle3"}')
+    (inputs["draft"] / "draft" / "drafts.json").write_text('{"candidates": ["eagle3"]}')
     refs = {k: type("R", (), {"url": f"file:///s/{k}/fp", "kind": k, "fingerprint": "fp", "digest": "d" * 64})()
             for k in inputs}
     ctx = StageContext("export", "fp", tmp_path / "out", inputs, refs, None)
@@ -109,3 +111,4 @@ def test_export_records_waivers_in_lineage_and_model_card(tmp_path):
     assert lineage["waivers"][0]["gate"] == "evaluate.gates.speculative_lossless"
     card = Path(tmp_path / "out" / "README.md").read_text()
     assert "**Waivers:**" in card and "not the promoted release" in card and "## Waivers" in card
+    assert (tmp_path / "out" / "draft" / "sglang" / "config.json").exists() and "draft/sglang" in card

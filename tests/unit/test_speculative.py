@@ -21,10 +21,13 @@ from models.eagle3 import Eagle3Config, Eagle3Draft, build_draft_vocab
 from models.generate import KVCache
 from models.glm4_moe import Glm4Moe, Glm4MoeConfig
 from models.gpt_oss import GptOss, GptOssConfig
+from models.peagle import PEagleConfig, PEagleDraft
 from models.qwen3_moe import Qwen3Moe, Qwen3MoeConfig
 from models.speculative import (
+    BlockDraft,
     DraftHead,
     MTPDraft,
+    is_block_draft,
     speculative_generate,
     verify_greedy,
     verify_sampled,
@@ -71,6 +74,17 @@ def family(name: str) -> nnx.Module:
 def eagle3_for(target: nnx.Module, seed: int = 1) -> Eagle3Draft:
     """A random EAGLE-3 head on `target`, with a pruned draft vocabulary (every fourth id dropped)."""
     draft = Eagle3Draft(Eagle3Config.for_target(target.config, draft_vocab_size=VD), rngs=nnx.Rngs(seed))
+    draft.load_embedding(target.embed_tokens.weight[...])
+    counts = np.where(np.arange(V) % 4 == 3, 0, 100 + np.arange(V))
+    d2t, t2d, _ = build_draft_vocab(counts, VD)
+    draft.set_vocab(d2t, t2d)
+    return draft
+
+
+def peagle_for(target: nnx.Module, seed: int = 1, depths: int = 4) -> PEagleDraft:
+    """A random P-EAGLE head on `target` (parallel drafting of up to `depths` tokens), pruned vocabulary."""
+    base = Eagle3Config.for_target(target.config, draft_vocab_size=VD)
+    draft = PEagleDraft(PEagleConfig.from_eagle3(base, mask_token_id=V - 1, num_depths=depths), rngs=nnx.Rngs(seed))
     draft.load_embedding(target.embed_tokens.weight[...])
     counts = np.where(np.arange(V) % 4 == 3, 0, 100 + np.arange(V))
     d2t, t2d, _ = build_draft_vocab(counts, VD)
@@ -138,19 +152,53 @@ class OracleDraft(nnx.Module):
         return logits, input_ids.astype(jnp.float32)[..., None], cache
 
 
+class OracleBlockDraft(OracleDraft):
+    """OracleDraft as a BlockDraft: `propose` drafts seq[P + 1 + i] for i < k in one call (first the wrong
+    token where `corrupt`), but only if every cached slot s it holds read seq[s + 1] - so acceptance is
+    high only if the pending-block writes and the rollbacks of the block path are exact."""
+
+    max_block = 8
+
+    def context(self, input_ids, features, *, positions, segment_ids=None, cache):
+        return self(input_ids, features=features, positions=positions, segment_ids=segment_ids, cache=cache)[2]
+
+    def propose(self, input_ids, features, num_valid, *, cache, k):
+        B, W = input_ids.shape
+        start = cache.length
+        j = jnp.arange(W)[None, :]
+        _, _, cache = self(input_ids, features=features, positions=start[:, None] + j,
+                           segment_ids=(j < num_valid[:, None]).astype(jnp.int32), cache=cache)
+        cache = cache.rollback(start + num_valid)
+        seq, L = self.seq[...], self.seq.shape[1]
+        row = (jnp.arange(B) % seq.shape[0])[:, None]  # [B, 1]
+        slots = jnp.arange(cache.max_len)[None, :]
+        truth = seq[row, jnp.clip(slots + 1, 0, L - 1)]  # [B, S]
+        held = cache.valid & (slots < cache.length[:, None])
+        ok = jnp.all(~held | (cache.k[0, :, 0, :, 0] == truth), axis=1)[:, None]  # [B, 1]
+        at = jnp.clip(cache.length[:, None] + 1 + jnp.arange(k)[None, :], 0, L - 1)  # [B, k]: P + 1 + i
+        right = seq[row, at]
+        first = jnp.where(self.corrupt[...][row, at], (right + 1) % V, right)
+        first, right = jnp.where(ok, first, (right + 7) % V), jnp.where(ok, right, (right + 7) % V)
+        vd = jnp.arange(self.ids.shape[0])
+        best, runner = self.t2d[...][first], self.t2d[...][right]
+        logits = jnp.where(vd == best[..., None], 4.0, jnp.where(vd == runner[..., None], 3.0, -10.0))
+        return logits, cache
+
+
 def pruned_vocab(seq: np.ndarray) -> np.ndarray:
     """All target ids but the smallest one `seq` does not use: draft ids above it differ from target ids."""
     return np.setdiff1d(np.arange(V), [np.setdiff1d(np.arange(V), seq)[0]])
 
 
-def oracle_for(seq: np.ndarray, corrupt_every: tuple[int, ...], draft_ids: np.ndarray) -> OracleDraft:
+def oracle_for(seq: np.ndarray, corrupt_every: tuple[int, ...], draft_ids: np.ndarray,
+               cls: type[OracleDraft] = OracleDraft) -> OracleDraft:
     """seq [R, L] = prompt + greedy continuation; in row r every `corrupt_every[r]`-th position gets the
     wrong token first and the right one second (0: never)."""
     corrupt = np.zeros(seq.shape, bool)
     for r, every in enumerate(corrupt_every):
         if every:
             corrupt[r] = np.arange(seq.shape[1]) % every == every - 1
-    return OracleDraft(seq, corrupt, draft_ids)
+    return cls(seq, corrupt, draft_ids)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -199,6 +247,29 @@ class MarkovDraft(nnx.Module):
         B, T = input_ids.shape
         _, cache = build_context(T, B, positions=positions, segment_ids=segment_ids, cache=cache, windows=set())
         return self.log_probs[...][input_ids], jnp.zeros((B, T, 1)), cache
+
+
+class MarkovBlockDraft(MarkovDraft):
+    """A BlockDraft proposing, for the token i + 1 places after the newest token x, from probs^(i+1)[x]
+    (the (i+1)-step chain: it never sees its own earlier drafts, as a parallel draft does not)."""
+
+    max_block = 8
+
+    def context(self, input_ids, features, *, positions, segment_ids=None, cache):
+        return self(input_ids, features=features, positions=positions, segment_ids=segment_ids, cache=cache)[2]
+
+    def propose(self, input_ids, features, num_valid, *, cache, k):
+        B, W = input_ids.shape
+        j = jnp.arange(W)[None, :]
+        _, _, cache = self(input_ids, positions=cache.length[:, None] + j,
+                           segment_ids=(j < num_valid[:, None]).astype(jnp.int32), cache=cache)
+        x = jnp.take_along_axis(input_ids, (num_valid - 1)[:, None], axis=1)[:, 0]  # [B]
+        probs, steps = jnp.exp(self.log_probs[...]), []
+        power = probs
+        for _ in range(k):
+            steps.append(jnp.log(power[x]))  # [B, V]
+            power = power @ probs
+        return jnp.stack(steps, axis=1), cache.rollback(cache.length - W + num_valid)
 
 
 def markov_matrix(seed: int, n: int) -> np.ndarray:
@@ -442,6 +513,51 @@ def test_greedy_perfect_draft_accepts_everything():
     assert (out.emitted[:-1] == k + 1).all()  # the oracle knows no tokens past M: the last call may stop early
 
 
+@pytest.mark.parametrize("name", ["llama", "deepseek_v3", "gpt_oss"])
+def test_greedy_is_lossless_with_a_parallel_draft(name):
+    """A random P-EAGLE head drafts k tokens per forward: tokens equal greedy generate (B=2, with eos)."""
+    model = family(name)
+    draft = peagle_for(model)
+    assert isinstance(draft, BlockDraft) and is_block_draft(draft) and not is_block_draft(eagle3_for(model))
+    ids = prompts(5)
+    ref = np.asarray(generate(model, ids, max_new_tokens=M).tokens)
+    out = speculative_generate(model, draft, ids, max_new_tokens=M, k=4)
+    np.testing.assert_array_equal(np.asarray(out.tokens), ref)
+    eos = int(ref[1, 3])
+    ref = generate(model, ids, max_new_tokens=M, eos_token_id=eos)
+    out = speculative_generate(model, draft, ids, max_new_tokens=M, k=4, eos_token_id=eos)
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
+    assert out.lengths.tolist() == ref.lengths.tolist()
+
+
+@pytest.mark.parametrize("name", ["llama", "deepseek_v3"])
+def test_block_draft_high_acceptance_rolls_back_per_row(name):
+    """The oracle as a block draft (one proposal of k tokens per call, errors every 3rd / 5th position):
+    several tokens per call, rows accept different counts, output exactly greedy; without errors every
+    call emits k + 1 tokens."""
+    model = family(name)
+    ids = prompts(1)
+    ref = np.asarray(generate(model, ids, max_new_tokens=M).tokens)
+    seq = np.concatenate([np.asarray(ids), ref, np.zeros((2, 8), np.int32)], 1)
+    out = speculative_generate(model, oracle_for(seq, (3, 5), pruned_vocab(seq), OracleBlockDraft), ids,
+                               max_new_tokens=M, k=4)
+    np.testing.assert_array_equal(np.asarray(out.tokens), ref)
+    assert out.mean_acceptance_length > 1.5 and not np.array_equal(out.emitted[:, 0], out.emitted[:, 1])
+    perfect = speculative_generate(model, oracle_for(seq, (0, 0), pruned_vocab(seq), OracleBlockDraft), ids,
+                                   max_new_tokens=M, k=4)
+    np.testing.assert_array_equal(np.asarray(perfect.tokens), ref)
+    assert (perfect.emitted[:-1] == 5).all()
+
+
+def test_block_draft_rejects_tree_mode_and_too_many_tokens():
+    model = family("llama")
+    draft = peagle_for(model, depths=3)
+    with pytest.raises(ValueError, match="drafts at most 3 tokens"):
+        speculative_generate(model, draft, prompts(0), max_new_tokens=4, k=4)
+    with pytest.raises(ValueError, match="needs a chain draft"):
+        speculative_generate(model, draft, prompts(0, 1), max_new_tokens=4, mode="tree")
+
+
 @pytest.mark.parametrize("name", ["deepseek_v3", "glm4_moe"])
 def test_greedy_chain_is_lossless_with_mtp(name):
     model = family(name)
@@ -507,12 +623,13 @@ def test_tree_rejects_what_it_does_not_support():
 # ------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("top_p", [1.0, 0.8])
-def test_sampling_follows_the_target_markov_chain(top_p):
+@pytest.mark.parametrize("top_p,drafting", [(1.0, "chain"), (0.8, "chain"), (1.0, "block"), (0.8, "block")])
+def test_sampling_follows_the_target_markov_chain(top_p, drafting):
     """Target and draft are different Markov chains over 4 tokens; 20000 rows of one batched call. The
     joint distribution of the first three emitted tokens (one from the prefill, two through draft /
     verify / resample) is the target chain's; the draft chain's own samples (a target equal to the
-    draft: every draft accepted unverified) fail the same test."""
+    draft: every draft accepted unverified) fail the same test. `block`: all k drafts come from one
+    parallel proposal that never sees the earlier drafts (P-EAGLE / DFlash) and stay exact."""
     n, rows, k = 4, 20000, 3
     P, Q = markov_matrix(10, n), markov_matrix(11, n)
     prompt = jnp.tile(jnp.array([[2, 1]] if top_p == 1.0 else [[1]], jnp.int32), (rows, 1))
@@ -522,7 +639,8 @@ def test_sampling_follows_the_target_markov_chain(top_p):
         return probs[first][:, None, None] * probs[:, :, None] * probs[None, :, :]
 
     def counts(target_probs):
-        out = speculative_generate(MarkovLM(target_probs), MarkovDraft(Q), prompt, max_new_tokens=3, k=k,
+        draft = MarkovDraft(Q) if drafting == "chain" else MarkovBlockDraft(Q)
+        out = speculative_generate(MarkovLM(target_probs), draft, prompt, max_new_tokens=3, k=k,
                                    temperature=1.0, top_p=top_p, rng=jax.random.PRNGKey(1))
         toks = np.asarray(out.tokens)
         assert (np.asarray(out.lengths) == 3).all()
@@ -533,16 +651,18 @@ def test_sampling_follows_the_target_markov_chain(top_p):
     assert 1.0 < out.mean_acceptance_length < k + 1  # rejections happen
     assert chi_square_p(observed, joint(target)) > P_VALUE
     control, _ = counts(Q)
-    assert chi_square_p(control, joint(target)) < P_VALUE
+    if drafting == "chain":  # a block draft's unverified output is not the draft chain: no control here
+        assert chi_square_p(control, joint(target)) < P_VALUE
 
 
-def test_sampling_end_to_end_matches_target_softmax():
-    """Tiny Llama target (sharpened head) with a random EAGLE-3 head, temperature 1, 3000 rows of one
-    prompt: the first token (prefill) follows softmax(target logits), and the second (drafted and
-    verified) follows its marginal sum_x p(x) p(. | x)."""
+@pytest.mark.parametrize("kind", ["eagle3", "peagle"])
+def test_sampling_end_to_end_matches_target_softmax(kind):
+    """Tiny Llama target (sharpened head) with a random EAGLE-3 (or P-EAGLE) head, temperature 1, 3000
+    rows of one prompt: the first token (prefill) follows softmax(target logits), and the second (drafted
+    and verified) follows its marginal sum_x p(x) p(. | x)."""
     model = Llama(LlamaConfig.tiny(V), rngs=nnx.Rngs(7))
     model.lm_head.kernel.set_value(model.lm_head.kernel.get_value() * 40.0)
-    draft = eagle3_for(model, seed=8)
+    draft = eagle3_for(model, seed=8) if kind == "eagle3" else peagle_for(model, seed=8)
     rows, T = 3000, 4
     prompt = prompts(9, 1, T)
     out = speculative_generate(model, draft, jnp.tile(prompt, (rows, 1)), max_new_tokens=2, k=2, temperature=1.0,
