@@ -155,7 +155,7 @@ DRAFT_KINDS = ("eagle3", "peagle", "dflash", "mtp")
 
 class DraftCandidate(BaseModel):
     """One draft the `draft` stage trains; `evaluate` measures every candidate and the release ships the
-    fastest lossless one (docs/speculative-decoding.md, which drafter is which)."""
+    fastest that passes the draft gates (docs/speculative-decoding.md, which drafter is which)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -217,12 +217,12 @@ class DraftConfig(BaseModel):
     def _candidates(self) -> DraftConfig:
         labels = [c.label for c in self.candidates]
         if len(set(labels)) != len(labels):
-            raise ValueError(f"draft.candidates: names must be unique, got {labels} (set `name` to tell them apart)")
+            raise ValueError(f"candidates: names must be unique, got {labels} (set `name` to tell them apart)")
         for c in self.candidates:
             if c.kind == "peagle" and (c.num_depths or self.k) < self.k:
-                raise ValueError(f"draft.candidates[{c.label}]: num_depths {c.num_depths} < k {self.k}")
+                raise ValueError(f"candidates[{c.label}]: num_depths {c.num_depths} < k {self.k}")
             if c.kind == "dflash" and (c.block_size or self.k + 1) < self.k + 1:
-                raise ValueError(f"draft.candidates[{c.label}]: block_size {c.block_size} < k + 1 = {self.k + 1}")
+                raise ValueError(f"candidates[{c.label}]: block_size {c.block_size} < k + 1 = {self.k + 1}")
         return self
 
 
@@ -287,7 +287,7 @@ class EvalConfig(BaseModel):
     spec_k: int = Field(5, ge=1)  # draft tokens per verify forward (chain)
     spec_batch_size: int = Field(1, ge=1)  # rows decoded together, by both the plain and the speculative decoder
     spec_temperatures: list[float] = Field([0.0, 1.0], min_length=1)
-    # the temperature the release serves at: the draft candidate shipped is the fastest lossless one there
+    # the temperature the release serves at: the draft shipped is the fastest (memory-bound speedup) there
     serve_temperature: float = Field(0.0, ge=0)
     drafts: list[str] | None = None  # measure only these draft candidates (by name); None: every one
     spec_tree: bool = True  # also measure EAGLE-2 dynamic-tree drafting (temperature 0, batch 1)

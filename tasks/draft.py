@@ -29,7 +29,8 @@ kind and keeps its vocabulary.
 Inputs: `target` (an HF checkpoint folder or a finetune artifact: the model the drafts will serve with,
 possibly a quantized variant) and `traces` (tasks/traces.py output). Output `draft/`: `drafts.json`
 (the candidates, in order) and per candidate `draft/<name>/` with `speculators/` (vLLM speculators
-layout, every kind), `sglang/` (EAGLE-3 only) and `draft_config.json`.
+layout, every kind), `sglang/` (EAGLE-3 only) and `draft_config.json`; training curves under
+`tensorboard/<name>/` (volatile, outside the digest, like every stage's).
 """
 
 from __future__ import annotations
@@ -314,7 +315,7 @@ def train_candidate(cand: DraftCandidate, cfg: DraftConfig, target: nnx.Module, 
                            max_new_tokens=cfg.select_max_new_tokens, eos=eos, seed=cfg.seed)
     t0 = time.perf_counter()
     metrics = fit(trainer, traces_dir, checkpoints=checkpoints, progress=progress, label=f"draft[{cand.label}]",
-                  logdir=dest / "tensorboard", loader=TraceBatches, on_step=select)
+                  logdir=dest.parent.parent / "tensorboard" / cand.label, loader=TraceBatches, on_step=select)
     train_seconds = time.perf_counter() - t0 - (select.seconds if select else 0.0)
     chosen = select.restore_best() if select is not None else {}
     trained = trainer.model(gather=True)  # step_accuracy and the exports read it whole on every host
@@ -382,7 +383,7 @@ def train_mtp(cand: DraftCandidate, cfg: DraftConfig, target_dir: Path, traces_d
                            seed=cfg.seed, draft_of=MTPDraft)
     t0 = time.perf_counter()
     metrics = fit(trainer, traces_dir, checkpoints=checkpoints, progress=progress, label=f"draft[{cand.label}]",
-                  logdir=dest / "tensorboard", loader=TraceBatches, on_step=select)
+                  logdir=dest.parent.parent / "tensorboard" / cand.label, loader=TraceBatches, on_step=select)
     train_seconds = time.perf_counter() - t0 - (select.seconds if select else 0.0)
     chosen = select.restore_best() if select is not None else {}
     trained = trainer.model(gather=True)

@@ -144,6 +144,22 @@ def case_serve_unknown_scheme(d, ctx):
     return sets("serve=fp8-block")
 
 
+@case("a draft candidate with an unknown objective", "loss: unknown objective 'kl' (known: kl_div", code=2)
+def case_unknown_draft_objective(d, ctx):
+    return recipe_file(d, "extends: tiny\ndraft:\n  candidates:\n    - {kind: peagle, loss: kl}\n")
+
+
+@case("two draft candidates with the same name", "draft: candidates: names must be unique", code=2)
+def case_duplicate_draft_candidates(d, ctx):
+    return recipe_file(d, "extends: tiny\ndraft:\n  candidates:\n    - {kind: eagle3}\n    - {kind: eagle3}\n")
+
+
+@case("`--set evaluate.serve_temperature=0.7` (not a measured temperature)",
+      "serve_temperature 0.7 must be one of spec_temperatures", code=2)
+def case_serve_temperature_not_measured(d, ctx):
+    return sets("evaluate.serve_temperature=0.7")
+
+
 @case("`--set quantize.schemes=[int3]`", "unknown quantization scheme 'int3'", code=2)
 def case_unknown_scheme(d, ctx):
     return sets("quantize.schemes=[int3]")

@@ -90,13 +90,14 @@ def test_report_schema_and_gates(released):
     assert timing["draft"]["speedup"] > 0 and set(timing["draft"]["runs"]) == set(d["runs"])
     assert all(timing["quantization"][s]["quantize_seconds"] > 0 for s in ("int8", "w4a16-gptq-g64"))
     assert d["target"] == "int8"  # the smoke recipe serves the int8 variant: the draft is measured against it
-    # every candidate of the smoke recipe was measured; the shipped one is the fastest at T=0 of those that
-    # pass the draft gates (lossless, the acceptance floor)
+    # every candidate of the smoke recipe was measured; the shipped one has the highest memory-bound speedup
+    # at T=0 of those that pass the draft gates (lossless, the acceptance floor): deterministic, in report.json
     drafts = report["drafts"]
-    assert list(drafts) == ["eagle3", "peagle-lk_hybrid", "dflash-lk_hybrid"] and d["name"] in drafts
-    speed = {n: timing["drafts"][n]["serve_speedup"] for n in drafts}
+    assert list(drafts) == ["eagle3", "dflash-lk_hybrid"] and d["name"] in drafts
+    speed = {n: r["speedup_memory_bound"] for n, r in drafts.items()}
     assert speed[d["name"]] == max(s for n, s in speed.items()
                                    if drafts[n]["lossless"] and drafts[n]["acceptance_length"] >= floor)
+    assert all(timing["drafts"][n]["serve_speedup"] > 0 for n in drafts)  # the wall clock, beside it
     for name, r in drafts.items():
         assert r["lossless"] is True, name
         assert set(r["runs"]) == ({"chain_t0", "chain_t1", "tree_t0"} if r["kind"] == "eagle3"
@@ -104,7 +105,7 @@ def test_report_schema_and_gates(released):
         for run in r["runs"].values():
             assert 1 <= run["acceptance_length"] <= r["draft_tokens"] + 1
             assert len(run["per_position_acceptance"]) == r["draft_tokens"]
-        assert r["selected_step"] in (20, 40, 60) and r["trainable_params"] > 0
+        assert r["selected_step"] == 60 and r["trainable_params"] > 0
     assert drafts["eagle3"]["runs"]["tree_t0"]["lossless"] is True
     card = storage.read_bytes(storage.join(url, "README.md")).decode()
     assert "acceptance length" in card and "int8" in card and "## Draft candidates" in card
@@ -206,8 +207,10 @@ def test_benchmarks_run_on_the_release(released, tmp_path, capsys):
                      "--json", str(tmp_path / "spec.json")])
     rows = json.loads((tmp_path / "spec.json").read_text())
     assert {r["target"] for r in rows} == {"release", "memory-bound"}
+    assert {r["draft"] for r in rows} == {"eagle3", "dflash-lk_hybrid"}  # every candidate
     greedy = [r for r in rows if "lossless" in r]  # greedy rows compare against plain decoding token for token
-    assert len(greedy) == 4 and all(r["lossless"] for r in greedy), greedy
+    # per target: each candidate's chain / parallel row, and the EAGLE-3 tree
+    assert len(greedy) == 2 * 3 and all(r["lossless"] for r in greedy), greedy
     st = Store(store, cache_dir=tmp_path / "cache")
     lineage = json.loads(storage.read_bytes(storage.join(url, "lineage.json")))
     model = st.fetch(st.load(st.url(lineage["stages"]["finetune"]["key"]))) / "model"
