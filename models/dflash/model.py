@@ -33,8 +33,7 @@ from flax import nnx
 
 from models.decoder import segment_positions
 from models.dflash.config import DFlashConfig
-from models.eagle3.model import TargetEmbedding
-from models.eagle3.vocab import check_vocab
+from models.eagle3.model import TargetEmbedding, TargetWiring
 from models.generate import KVCache
 from models.layers import (
     MLP,
@@ -131,7 +130,7 @@ class DFlashLayer(nnx.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
-class DFlashDraft(nnx.Module):
+class DFlashDraft(TargetWiring, nnx.Module):
     """DFlash block drafter: `fc` (num_aux·D -> D), `hidden_norm`, `layers.{i}`, `norm` are the
     trainable `nnx.Param`s; `lm_head` (D -> Vd) too when `config.train_lm_head`, else its kernel is a
     Buffer holding the target's LM-head rows of the draft vocabulary (`load_lm_head`);
@@ -159,26 +158,9 @@ class DFlashDraft(nnx.Module):
     # -- target-side wiring -------------------------------------------------------------------------
 
     @property
-    def target_layers(self) -> tuple[int, ...]:
-        """The target `return_hidden` indices whose concatenation is `features` (low -> high)."""
-        return self.config.aux_layer_ids
-
-    @property
-    def target_token_ids(self) -> jax.Array:
-        """Draft id -> target id: arange(Vd) + d2t, [Vd] int32 (ascending)."""
-        return jnp.arange(self.config.draft_vocab_size, dtype=jnp.int32) + self.d2t[...].astype(jnp.int32)
-
-    @property
     def max_block(self) -> int:
         """The most tokens one forward proposes: block_size - 1."""
         return self.config.block_size - 1
-
-    def load_embedding(self, weight: jax.Array | np.ndarray) -> None:
-        """Install the target's embedding table [V, D] (kept frozen)."""
-        shape = (self.config.vocab_size, self.config.hidden_size)
-        if tuple(np.shape(weight)) != shape:
-            raise ValueError(f"embed_tokens {tuple(np.shape(weight))}: the draft expects {shape}")
-        self.embed_tokens.weight.set_value(jnp.asarray(weight, self.embed_tokens.weight.get_value().dtype))
 
     def load_lm_head(self, weight: jax.Array | np.ndarray) -> None:
         """Install the target's LM head [V, D] (HF layout; a tied target passes its embedding): the
@@ -188,12 +170,6 @@ class DFlashDraft(nnx.Module):
             raise ValueError(f"lm_head {tuple(np.shape(weight))}: the draft expects the target's {shape}")
         rows = jnp.take(jnp.asarray(weight), self.target_token_ids, axis=0)  # [Vd, D]
         self.lm_head.kernel.set_value(rows.T.astype(self.lm_head.kernel.get_value().dtype))  # [D, Vd]
-
-    def set_vocab(self, d2t: jax.Array | np.ndarray, t2d: jax.Array | np.ndarray) -> None:
-        """Install a draft vocabulary (build_draft_vocab): d2t [Vd] offsets, t2d [V] bool."""
-        d2t, t2d = check_vocab(d2t, t2d, self.config.draft_vocab_size, self.config.vocab_size)
-        self.d2t.set_value(jnp.asarray(d2t, jnp.int32))
-        self.t2d.set_value(jnp.asarray(t2d))
 
     # -- pieces -------------------------------------------------------------------------------------
 

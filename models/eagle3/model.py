@@ -117,28 +117,10 @@ class Eagle3Layer(nnx.Module):
         return self.finish(f, attn_out), cache
 
 
-class Eagle3Draft(nnx.Module):
-    """EAGLE-3 draft head: `fc` (num_aux·D_t -> D), `midlayer`, `norm`, `lm_head` (D -> Vd) are the
-    trainable `nnx.Param`s; `embed_tokens` (the target's), `d2t` [Vd] and `t2d` [V] are Buffers.
-    Attribute names are the exported tensor names (`midlayer.self_attn.q_proj.weight`, ...)."""
-
-    def __init__(self, config: Eagle3Config, *, rngs: nnx.Rngs, dtype: Any = jnp.float32,
-                 param_dtype: Any = jnp.float32):
-        c = config
-        self.config = c
-        self.dtype, self.param_dtype = dtype, param_dtype
-        kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
-        self.embed_tokens = TargetEmbedding(c.vocab_size, c.hidden_size, **kw)
-        self.fc = Linear(c.num_aux * c.target_hidden_size, c.hidden_size, axes=("mlp", "embed"), **kw)
-        self.midlayer = Eagle3Layer(c, **kw)
-        self.norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps, param_dtype=param_dtype)
-        self.lm_head = Linear(c.hidden_size, c.draft_vocab_size, axes=("embed", "vocab"), **kw)
-        # identity mapping onto the first Vd target ids until set_vocab (build_draft_vocab) is called
-        Vd, V = c.draft_vocab_size, c.vocab_size
-        self.d2t = param(jnp.zeros((Vd,), jnp.int32), (None,), Buffer)
-        self.t2d = param(jnp.arange(V) < Vd, (None,), Buffer)
-
-    # -- target-side wiring -------------------------------------------------------------------------
+class TargetWiring:
+    """What a feature-level draft (EAGLE-3, P-EAGLE, DFlash) shares about its target: the feature layers it
+    reads, its draft -> target vocabulary map (`d2t` / `t2d` Buffers) and the target's frozen embedding
+    (`embed_tokens`). Mixed into the nnx.Module of each draft."""
 
     @property
     def target_layers(self) -> tuple[int, ...]:
@@ -162,6 +144,28 @@ class Eagle3Draft(nnx.Module):
         d2t, t2d = check_vocab(d2t, t2d, self.config.draft_vocab_size, self.config.vocab_size)
         self.d2t.set_value(jnp.asarray(d2t, jnp.int32))
         self.t2d.set_value(jnp.asarray(t2d))
+
+
+class Eagle3Draft(TargetWiring, nnx.Module):
+    """EAGLE-3 draft head: `fc` (num_aux·D_t -> D), `midlayer`, `norm`, `lm_head` (D -> Vd) are the
+    trainable `nnx.Param`s; `embed_tokens` (the target's), `d2t` [Vd] and `t2d` [V] are Buffers.
+    Attribute names are the exported tensor names (`midlayer.self_attn.q_proj.weight`, ...)."""
+
+    def __init__(self, config: Eagle3Config, *, rngs: nnx.Rngs, dtype: Any = jnp.float32,
+                 param_dtype: Any = jnp.float32):
+        c = config
+        self.config = c
+        self.dtype, self.param_dtype = dtype, param_dtype
+        kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.embed_tokens = TargetEmbedding(c.vocab_size, c.hidden_size, **kw)
+        self.fc = Linear(c.num_aux * c.target_hidden_size, c.hidden_size, axes=("mlp", "embed"), **kw)
+        self.midlayer = Eagle3Layer(c, **kw)
+        self.norm = RMSNorm(c.hidden_size, eps=c.rms_norm_eps, param_dtype=param_dtype)
+        self.lm_head = Linear(c.hidden_size, c.draft_vocab_size, axes=("embed", "vocab"), **kw)
+        # identity mapping onto the first Vd target ids until set_vocab (build_draft_vocab) is called
+        Vd, V = c.draft_vocab_size, c.vocab_size
+        self.d2t = param(jnp.zeros((Vd,), jnp.int32), (None,), Buffer)
+        self.t2d = param(jnp.arange(V) < Vd, (None,), Buffer)
 
     # -- forward ------------------------------------------------------------------------------------
 
