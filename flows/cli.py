@@ -284,18 +284,10 @@ def _summary(console, rows, title: str) -> None:
     console.print(table)
 
 
-class _Interrupted(BaseException):
-    def __init__(self, signum: int):
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
-_received: list[int] = []  # the signals that stopped this run (whatever exception the unwinding then raised)
-
-
 def _on_signal(signum, _frame) -> None:
-    _received.append(signum)
-    raise _Interrupted(signum)
+    from tasks.stage import interrupt
+
+    interrupt(signum)  # recorded: later stage boundaries raise again should this raise be swallowed
 
 
 def _die_with_parent() -> None:
@@ -350,17 +342,21 @@ def _run(fn, **kwargs):
     """Run a flow; any failure becomes one `error:` line and an exit code. SIGTERM and Ctrl-C unwind the
     run like an exception (stages release their leases, checkpoints finish uploading, the run is recorded
     as crashed, the ephemeral Prefect server is stopped on exit) and exit 128 + the signal number."""
+    from tasks.stage import Interrupted, received
+
     previous = {s: signal.signal(s, _on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         with _prefect_api():
-            return fn(**kwargs)
+            out = fn(**kwargs)
+        if received() is not None:  # the run finished although a signal came: say so, as if it had stopped
+            raise Interrupted(received())
+        return out
     except BaseException as e:
         from prefect.exceptions import TerminationSignal
 
         # a received signal decides how the run ended, whatever exception the unwinding then raised
-        if _received or isinstance(e, _Interrupted | KeyboardInterrupt | TerminationSignal):
-            signum = _received[0] if _received else \
-                signal.SIGTERM if isinstance(e, TerminationSignal) else signal.SIGINT
+        if received() is not None or isinstance(e, Interrupted | KeyboardInterrupt | TerminationSignal):
+            signum = received() or (signal.SIGTERM if isinstance(e, TerminationSignal) else signal.SIGINT)
             _fail(f"interrupted by {signal.Signals(signum).name}: nothing half-written is visible; run the same "
                   f"command again to resume after the last committed stage", 128 + signum)
         _failure(e)

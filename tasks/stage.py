@@ -36,13 +36,49 @@ from tasks.code import code_version, source_version
 from tasks.layout import checkpoint_prefix
 from tasks.training.config import Progress
 
-__all__ = ["Progress", "StageContext", "fingerprint_of", "read_report", "run_once", "work_root", "write_report"]
+__all__ = ["Interrupted", "Progress", "StageContext", "fingerprint_of", "interrupt", "raise_if_interrupted",
+           "read_report", "run_once", "work_root", "write_report"]
 
 log = logging.getLogger("forgeline.stage")
 
 # Files that record how a run went rather than what it computed (storage.artifacts: "volatile").
 VOLATILE = ("tensorboard/*", "*timing.json", "*report.md", "README.md")
 POLL_SECONDS = 2.0  # how often a stage waiting on another process's lease looks for its commit
+
+
+class Interrupted(BaseException):
+    """A signal (SIGINT, SIGTERM) stopped this process. A BaseException, like KeyboardInterrupt, so that
+    `except Exception` in stage code does not catch it."""
+
+    def __init__(self, signum: int):
+        import signal
+
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+_SIGNALS: list[int] = []  # the signals this process received, first one first
+
+
+def interrupt(signum: int) -> None:
+    """A signal handler's body: record the signal and raise `Interrupted` where the main thread is.
+
+    Library code can swallow an exception raised at an arbitrary bytecode (a state report's retry loop, a
+    logging handler's `except BaseException`); the record makes every later stage boundary and training
+    step raise again (`raise_if_interrupted`), so an interrupted run stops before its next stage computes or
+    commits, whatever happened to the first raise."""
+    _SIGNALS.append(signum)
+    raise Interrupted(signum)
+
+
+def received() -> int | None:
+    """The first signal this process received, if any."""
+    return _SIGNALS[0] if _SIGNALS else None
+
+
+def raise_if_interrupted() -> None:
+    if _SIGNALS:
+        raise Interrupted(_SIGNALS[0])
 
 
 @dataclass(frozen=True)
@@ -170,6 +206,7 @@ def run_once(
     the module whose import closure versions the work (see `fingerprint_of`)."""
     fp = fingerprint_of(kind, config, inputs, code)
     while True:
+        raise_if_interrupted()
         if not force and (done := store.lookup(kind, fp)) is not None:
             log.info("%s: already committed at %s, skipping", kind, done.url)
             return done
@@ -217,6 +254,7 @@ def _compute_and_commit(store: Store, kind: str, fp: str, config: BaseModel | Ma
         ctx = StageContext(kind, fp, staging, local_inputs, dict(inputs), store)
         metadata = work(ctx) or {}
         metadata = {**metadata, "seconds": round(time.perf_counter() - t0, 2)}
+        raise_if_interrupted()  # an interrupt the work's own code swallowed: nothing is committed after it
         ref = store.commit(staging, kind, fp, config=config_dict(config), inputs=inputs.values(), metadata=metadata,
                            volatile=VOLATILE, fence=lease.check, code_version=code,
                            source_version=source_version())

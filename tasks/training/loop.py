@@ -13,6 +13,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from tasks.stage import raise_if_interrupted
 from tasks.training.checkpoints import Checkpoints
 from tasks.training.config import Progress, TrainingDiverged
 from tasks.training.data import PackedBatches
@@ -97,6 +98,7 @@ def fit(
                          " = %s (%d devices, mesh %s)", label, _gib(est["params"]), _gib(est["optimizer"]),
                          _gib(est["frozen"]), _gib(est["temp"]), _gib(est["total"]), n_dev,
                          dict(trainer.mesh.shape))
+            raise_if_interrupted()  # a signal that library code swallowed still stops training at a step
             stats = trainer.step(batch)
             if pending is not None:
                 check(*pending)

@@ -25,9 +25,13 @@ from storage import Store
 from tests.conftest import ROOT, SMOKE
 from tests.s3_server import exported
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+# two smoke releases (inline, then on workers with a worker killed): past pytest's 900 s default on a slow machine
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(1800)]
 
-OVERRIDES = ["--set", "serve=finetuned"]  # the draft learns the fine-tuned model: traces need not wait for quantize
+# serve=finetuned: the draft learns the fine-tuned model, so traces need not wait for quantize. One draft candidate
+# without τ selection: this test is about where stages run; the draft stage's candidates and selection run the same
+# in either mode (tests/unit/test_draft.py, test_release_flow.py, test_default_release.py).
+OVERRIDES = ["--set", "serve=finetuned", "--set", "draft.candidates=[{kind: eagle3}]", "--set", "draft.select_every=0"]
 STAGE_NAMES = {"data_prep[base]", "base", "data_prep", "finetune", "quantize", "traces", "draft", "evaluate", "export"}
 
 

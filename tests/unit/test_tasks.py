@@ -108,6 +108,33 @@ def test_stage_skips_when_committed_and_leaves_nothing_on_failure(tmp_path):
     assert seen["text"] == "done"
 
 
+def test_an_interrupt_that_code_swallowed_stops_the_next_commit_and_stage(tmp_path, monkeypatch):
+    """A signal's exception can be swallowed by library code (it is raised at whatever bytecode the main
+    thread is at); the recorded signal still stops the stage before it commits, and every stage after it."""
+    import signal
+
+    from tasks import stage
+
+    monkeypatch.setattr(stage, "_SIGNALS", [])
+    store = Store(f"file://{tmp_path}/store")
+
+    def swallowing(ctx):
+        try:
+            stage.interrupt(signal.SIGINT)  # what the CLI's handler does, here at a known point
+        except BaseException:  # noqa: BLE001 -- the library code that swallows it
+            pass
+        (ctx.out_dir / "out.txt").write_text("done")
+        return {}
+
+    with pytest.raises(stage.Interrupted, match="SIGINT"):
+        run_once(store, "demo", {"x": 1}, {}, swallowing)
+    assert not list((tmp_path / "store").rglob("manifest.json")), "committed after the interrupt"
+    ran = []
+    with pytest.raises(stage.Interrupted):
+        run_once(store, "next", {}, {}, lambda ctx: ran.append(1) or {})
+    assert ran == [] and stage.received() == signal.SIGINT
+
+
 # -- data loading and training ---------------------------------------------------------------------
 
 
