@@ -290,6 +290,26 @@ def _on_signal(signum, _frame) -> None:
     interrupt(signum)  # recorded: later stage boundaries raise again should this raise be swallowed
 
 
+def _unraisable(hook):
+    """`sys.unraisablehook` for a run: a signal's exception raised inside a `__del__` (an asyncio transport
+    collected mid-run) cannot propagate; record the signal, so the next stage boundary stops the run, and
+    print nothing (no traceback). Anything else goes to the previous hook."""
+
+    def quiet(unraisable) -> None:
+        from prefect.exceptions import TerminationSignal
+
+        from tasks.stage import Interrupted, received, record
+
+        e = unraisable.exc_value
+        if isinstance(e, Interrupted | KeyboardInterrupt | TerminationSignal):
+            if received() is None:  # Interrupted was recorded when raised
+                record(e.signal if isinstance(e, TerminationSignal) else signal.SIGINT)
+            return
+        hook(unraisable)
+
+    return quiet
+
+
 def _die_with_parent() -> None:
     """In a forked child before exec (Linux): SIGTERM when the process that started it dies, however it
     died -- a SIGKILLed CLI must not leave its ephemeral Prefect server running."""
@@ -345,6 +365,7 @@ def _run(fn, **kwargs):
     from tasks.stage import Interrupted, received
 
     previous = {s: signal.signal(s, _on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    previous_hook, sys.unraisablehook = sys.unraisablehook, _unraisable(sys.unraisablehook)
     try:
         with _prefect_api():
             out = fn(**kwargs)
@@ -363,6 +384,7 @@ def _run(fn, **kwargs):
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+        sys.unraisablehook = previous_hook
 
 
 def _failure(e: BaseException) -> None:

@@ -341,17 +341,19 @@ def markdown(report: dict[str, Any]) -> str:
                   f"the one with the highest memory-bound speedup at the serving temperature T={t_s:g} (τ × "
                   f"target weights / (target weights + draft forwards × draft weights): what a batch-1 "
                   f"accelerator sees, and deterministic); the wall-clock speedups are this machine's.", "",
-                  f"| draft | kind | objective | τ (T=0) | τ (T={t_s:g}) | per-position acceptance (T=0) "
-                  f"| memory-bound speedup (T={t_s:g}) | wall-clock speedup (T=0) | wall-clock (T={t_s:g}) "
-                  f"| lossless | draft params | train time |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "| draft | kind | objective | τ (T=0) " + (f"| τ (T={t_s:g}) " if t_s else "")
+                  + f"| per-position acceptance (T=0) | memory-bound speedup (T={t_s:g}) | wall-clock speedup (T=0) "
+                  + (f"| wall-clock (T={t_s:g}) " if t_s else "") + "| lossless | draft params | train time |",
+                  "|---" * (10 + 2 * bool(t_s)) + "|"]  # at T=0 serving the serving columns are the T=0 ones
         for n, r in report["drafts"].items():
             obj = r.get("objective", "?")
+            serve_tau = f"| {r['serve_acceptance_length']:.2f} " if t_s else ""
+            serve_speedup = f"| {r['serve_speedup']:.2f}x " if t_s else ""
             lines.append(f"| {'**' + n + '**' if n == chosen else n} | {r['kind']} | {obj} "
-                         f"| {r['acceptance_length']:.2f} | {r['serve_acceptance_length']:.2f} "
+                         f"| {r['acceptance_length']:.2f} {serve_tau}"
                          f"| {' '.join(f'{a:.2f}' for a in r['per_position_acceptance'])} "
                          f"| {r['speedup_memory_bound']:.2f}x "
-                         f"| {r['speedup']:.2f}x | {r['serve_speedup']:.2f}x | {r['lossless']} "
+                         f"| {r['speedup']:.2f}x {serve_speedup}| {r['lossless']} "
                          f"| {r.get('trainable_params', 0) / 1e6:.2f}M | {r.get('train_seconds', 0):.0f} s |")
     for name in ("draft", "mtp"):
         if name not in report:

@@ -17,13 +17,16 @@ yields the same bytes (after a crash, on another worker) keeps every downstream 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import shutil
+import signal
 import tempfile
+import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,7 +40,7 @@ from tasks.layout import checkpoint_prefix
 from tasks.training.config import Progress
 
 __all__ = ["Interrupted", "Progress", "StageContext", "fingerprint_of", "interrupt", "raise_if_interrupted",
-           "read_report", "run_once", "work_root", "write_report"]
+           "read_report", "received", "record", "signals_recorded", "run_once", "work_root", "write_report"]
 
 log = logging.getLogger("forgeline.stage")
 
@@ -63,12 +66,17 @@ _SIGNALS: list[int] = []  # the signals this process received, first one first
 def interrupt(signum: int) -> None:
     """A signal handler's body: record the signal and raise `Interrupted` where the main thread is.
 
-    Library code can swallow an exception raised at an arbitrary bytecode (a state report's retry loop, a
-    logging handler's `except BaseException`); the record makes every later stage boundary and training
-    step raise again (`raise_if_interrupted`), so an interrupted run stops before its next stage computes or
-    commits, whatever happened to the first raise."""
-    _SIGNALS.append(signum)
+    The raise can be lost: a signal lands at whatever bytecode the main thread is at, and one that lands in
+    a `__del__` (an asyncio transport collected mid-run) or in library code's `except BaseException` is
+    swallowed. The record makes every later stage boundary and training step raise again
+    (`raise_if_interrupted`), so an interrupted run stops before its next stage computes or commits."""
+    record(signum)
     raise Interrupted(signum)
+
+
+def record(signum: int) -> None:
+    """Note that `signum` arrived (whoever's handler raised for it)."""
+    _SIGNALS.append(signum)
 
 
 def received() -> int | None:
@@ -79,6 +87,34 @@ def received() -> int | None:
 def raise_if_interrupted() -> None:
     if _SIGNALS:
         raise Interrupted(_SIGNALS[0])
+
+
+@contextlib.contextmanager
+def signals_recorded() -> Iterator[None]:
+    """While a stage computes: SIGINT and SIGTERM are recorded before whatever handler is in force runs
+    (Prefect swaps SIGTERM for its own, raising TerminationSignal, for the length of a flow run). Only in
+    the main thread, the one that receives signals."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    wrapped = {}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        previous = signal.getsignal(sig)
+        if not callable(previous):  # SIG_DFL / SIG_IGN: keep the default behaviour
+            continue
+
+        def handler(signum, frame, _previous=previous):
+            record(signum)
+            _previous(signum, frame)
+
+        wrapped[sig] = (previous, handler)
+        signal.signal(sig, handler)
+    try:
+        yield
+    finally:
+        for sig, (previous, handler) in wrapped.items():
+            if signal.getsignal(sig) is handler:  # never undo a handler someone installed after ours
+                signal.signal(sig, previous)
 
 
 @dataclass(frozen=True)
@@ -219,7 +255,8 @@ def run_once(
                 return done
             if on_compute is not None:
                 on_compute()
-            ref = _compute_and_commit(store, kind, fp, config, inputs, work, lease, _code(code))
+            with signals_recorded():
+                ref = _compute_and_commit(store, kind, fp, config, inputs, work, lease, _code(code))
         except LeaseLost as e:  # we stalled past the expiry and another process took over: wait for it
             log.warning("%s: %s", kind, e)
             lease.release()

@@ -135,6 +135,48 @@ def test_an_interrupt_that_code_swallowed_stops_the_next_commit_and_stage(tmp_pa
     assert ran == [] and stage.received() == signal.SIGINT
 
 
+def test_a_signal_under_another_handler_or_in_a_destructor_is_recorded(monkeypatch):
+    """Prefect swaps SIGTERM for its own handler during a flow run (raising TerminationSignal), and a signal
+    landing in a `__del__` only reaches `sys.unraisablehook`: both still record the signal, quietly."""
+    import os
+    import signal
+    import time
+    import types
+
+    from prefect.exceptions import TerminationSignal
+
+    from flows.cli import _unraisable
+    from tasks import stage
+
+    monkeypatch.setattr(stage, "_SIGNALS", [])
+
+    class Term(BaseException):
+        pass
+
+    def prefects(signum, frame):
+        raise Term()
+
+    old = signal.signal(signal.SIGTERM, prefects)
+    try:
+        with stage.signals_recorded():
+            with pytest.raises(Term):
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(5)  # the handler runs at the next bytecode
+        assert signal.getsignal(signal.SIGTERM) is prefects  # restored
+    finally:
+        signal.signal(signal.SIGTERM, old)
+    assert stage.received() == signal.SIGTERM
+
+    monkeypatch.setattr(stage, "_SIGNALS", [])
+    passed_on = []
+    hook = _unraisable(passed_on.append)
+    hook(types.SimpleNamespace(exc_value=TerminationSignal(signal=signal.SIGTERM)))
+    assert stage.received() == signal.SIGTERM and passed_on == []
+    other = types.SimpleNamespace(exc_value=ValueError("a real bug in a __del__"))
+    hook(other)
+    assert passed_on == [other]
+
+
 # -- data loading and training ---------------------------------------------------------------------
 
 
