@@ -23,7 +23,14 @@ os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
 os.environ["FORGELINE_WORKDIR"] = tempfile.mkdtemp(prefix="forgeline-work-")
 
 # JAX's persistent compilation cache (~/.cache/forgeline/jax, as the forgeline commands use): tests and the
-# command-line processes they start compile the same programs many times over.
+# command-line processes they start compile the same programs many times over. One folder per pytest-xdist
+# worker (inherited by the processes it starts): JAX writes an entry in place, not by rename, so a worker that
+# looked up a program while the other was writing it read a truncated executable and aborted (seen once here,
+# "Fatal Python error: Aborted" in compilation_cache.get_executable_and_time).
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ and os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = str(
+        Path(os.environ.get("FORGELINE_CACHE", Path.home() / ".cache" / "forgeline"))
+        / f"jax-{os.environ['PYTEST_XDIST_WORKER']}")
 from tasks.cli import configure_jax  # noqa: E402
 
 configure_jax()
