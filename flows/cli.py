@@ -298,11 +298,11 @@ def _unraisable(hook):
     def quiet(unraisable) -> None:
         from prefect.exceptions import TerminationSignal
 
-        from tasks.stage import Interrupted, received, record
+        from tasks.stage import Interrupted, record
 
         e = unraisable.exc_value
         if isinstance(e, Interrupted | KeyboardInterrupt | TerminationSignal):
-            if received() is None:  # Interrupted was recorded when raised
+            if not isinstance(e, Interrupted):  # Interrupted was recorded when raised
                 record(e.signal if isinstance(e, TerminationSignal) else signal.SIGINT)
             return
         hook(unraisable)

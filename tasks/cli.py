@@ -22,6 +22,11 @@ from pydantic import BaseModel
 PATH = {"type": Path, "required": True}
 
 
+def cache_root() -> Path:
+    """forgeline's per-user cache folder: `$FORGELINE_CACHE`, default ~/.cache/forgeline."""
+    return Path(os.environ.get("FORGELINE_CACHE", Path.home() / ".cache" / "forgeline"))
+
+
 def configure_jax() -> None:
     """Process-wide JAX settings for forgeline's entry points: a persistent compilation cache under the
     user's cache folder (`$FORGELINE_CACHE/jax`, default ~/.cache/forgeline/jax), so a rerun after a crash,
@@ -32,7 +37,7 @@ def configure_jax() -> None:
 
     folder = os.environ.get("JAX_COMPILATION_CACHE_DIR")
     if folder is None:
-        folder = str(Path(os.environ.get("FORGELINE_CACHE", Path.home() / ".cache" / "forgeline")) / "jax")
+        folder = str(cache_root() / "jax")
     if folder and jax.config.jax_compilation_cache_dir is None:
         jax.config.update("jax_compilation_cache_dir", folder)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)

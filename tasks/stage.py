@@ -54,8 +54,6 @@ class Interrupted(BaseException):
     `except Exception` in stage code does not catch it."""
 
     def __init__(self, signum: int):
-        import signal
-
         super().__init__(signal.Signals(signum).name)
         self.signum = signum
 
@@ -85,8 +83,8 @@ def received() -> int | None:
 
 
 def raise_if_interrupted() -> None:
-    if _SIGNALS:
-        raise Interrupted(_SIGNALS[0])
+    if (signum := received()) is not None:
+        raise Interrupted(signum)
 
 
 @contextlib.contextmanager

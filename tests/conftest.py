@@ -27,11 +27,10 @@ os.environ["FORGELINE_WORKDIR"] = tempfile.mkdtemp(prefix="forgeline-work-")
 # worker (inherited by the processes it starts): JAX writes an entry in place, not by rename, so a worker that
 # looked up a program while the other was writing it read a truncated executable and aborted (seen once here,
 # "Fatal Python error: Aborted" in compilation_cache.get_executable_and_time).
+from tasks.cli import cache_root, configure_jax  # noqa: E402
+
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ and os.environ.get("PYTEST_XDIST_WORKER"):
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = str(
-        Path(os.environ.get("FORGELINE_CACHE", Path.home() / ".cache" / "forgeline"))
-        / f"jax-{os.environ['PYTEST_XDIST_WORKER']}")
-from tasks.cli import configure_jax  # noqa: E402
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = str(cache_root() / f"jax-{os.environ['PYTEST_XDIST_WORKER']}")
 
 configure_jax()
 
