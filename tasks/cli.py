@@ -27,18 +27,29 @@ def cache_root() -> Path:
     return Path(os.environ.get("FORGELINE_CACHE", Path.home() / ".cache" / "forgeline"))
 
 
-def configure_jax() -> None:
-    """Process-wide JAX settings for forgeline's entry points: a persistent compilation cache under the
-    user's cache folder (`$FORGELINE_CACHE/jax`, default ~/.cache/forgeline/jax), so a rerun after a crash,
-    a retry and every later stage process reuse compiled programs instead of compiling again. JAX keys the
-    entries on the program, the backend and the compiler options, so a cached program is the program that
-    would have been compiled. `JAX_COMPILATION_CACHE_DIR` overrides the folder; an empty value disables it."""
+_jax_configured = False
+
+
+def configure_jax(compilation_cache: bool = True) -> None:
+    """Process-wide JAX settings for forgeline's entry points, applied once per process (later calls are
+    no-ops): a persistent compilation cache under the user's cache folder (`$FORGELINE_CACHE/jax`, default
+    ~/.cache/forgeline/jax), so a rerun after a crash, a retry and every later stage process reuse compiled
+    programs instead of compiling again. JAX keys the entries on the program, the backend and the compiler
+    options, so a cached program is the program that would have been compiled. `JAX_COMPILATION_CACHE_DIR`
+    overrides the folder; an empty value, or `compilation_cache=False`, disables it in this process."""
+    global _jax_configured
+    if _jax_configured:
+        return
+    _jax_configured = True
     import jax
 
     folder = os.environ.get("JAX_COMPILATION_CACHE_DIR")
     if folder is None:
         folder = str(cache_root() / "jax")
-    if folder and jax.config.jax_compilation_cache_dir is None:
+    if not (compilation_cache and folder):
+        jax.config.update("jax_compilation_cache_dir", None)  # JAX itself reads JAX_COMPILATION_CACHE_DIR
+        return
+    if jax.config.jax_compilation_cache_dir is None or jax.config.jax_compilation_cache_dir == folder:
         jax.config.update("jax_compilation_cache_dir", folder)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
 

@@ -22,17 +22,18 @@ os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
 # (so not inherited from the controller process either).
 os.environ["FORGELINE_WORKDIR"] = tempfile.mkdtemp(prefix="forgeline-work-")
 
-# JAX's persistent compilation cache (~/.cache/forgeline/jax, as the forgeline commands use): tests and the
-# command-line processes they start compile the same programs many times over. One folder per pytest-xdist
-# worker (inherited by the processes it starts): JAX writes an entry in place, not by rename, so a worker that
-# looked up a program while the other was writing it read a truncated executable and aborted (seen once here,
-# "Fatal Python error: Aborted" in compilation_cache.get_executable_and_time).
+# JAX's persistent compilation cache: the command-line processes the tests start (stages, releases, the local
+# stack's workers) use it as the forgeline commands do, one folder per pytest-xdist worker (JAX writes an entry
+# in place, not by rename, so two workers sharing a folder can read each other's half-written entries). The
+# pytest processes themselves run without it: hosting hundreds of compiles next to torch and the reference
+# libraries, a worker died twice inside the cache's own calls (SIGABRT reading an entry, 50c0662 here; a crash
+# in `executable.serialize()` writing one, CI at 785a5ae), and pytest-xdist then hung instead of finishing.
 from tasks.cli import cache_root, configure_jax  # noqa: E402
 
-if "JAX_COMPILATION_CACHE_DIR" not in os.environ and os.environ.get("PYTEST_XDIST_WORKER"):
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = str(cache_root() / f"jax-{os.environ['PYTEST_XDIST_WORKER']}")
-
-configure_jax()
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = str(cache_root() / f"jax-{worker}")
+configure_jax(compilation_cache=False)
 
 
 @pytest.fixture(scope="session")
