@@ -166,6 +166,8 @@ class DraftCandidate(BaseModel):
     loss: str | dict[str, float] = "kl_div"
     # the serving temperature the objective is computed at; None: the traces' (the temperature the target answered at)
     temperature: float | None = Field(None, ge=0)
+    steps: int | None = Field(None, ge=1)  # its optimizer steps; None: draft.train.steps (a block drafter's step
+    # is several times cheaper than EAGLE-3's unrolled one, so equal wall-clock budgets differ in steps)
     num_depths: int | None = Field(None, ge=1)  # peagle: parallel depths trained; mtp: recursive steps; None: k
     step_weight_beta: float = Field(0.6, gt=0, le=1)  # mtp: step k's loss weight ∝ beta^k (FastMTP)
     block_size: int | None = Field(None, ge=2)  # dflash: slots per block (anchor + drafts); None: k + 1
@@ -191,6 +193,10 @@ class DraftCandidate(BaseModel):
 
 class DraftConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    def train_for(self, cand: DraftCandidate) -> TrainConfig:
+        """The optimisation settings of one candidate: `train`, with the candidate's own `steps` if set."""
+        return self.train if cand.steps is None else self.train.model_copy(update={"steps": cand.steps})
 
     candidates: list[DraftCandidate] = Field([DraftCandidate()], min_length=1)
     k: int = Field(5, ge=1)  # draft tokens per verify forward the export recommends to engines

@@ -303,7 +303,7 @@ def train_candidate(cand: DraftCandidate, cfg: DraftConfig, target: nnx.Module, 
     decay = 1.0 if kind == "peagle" else cfg.ttt_decay  # speculators weighs P-EAGLE's depths equally
     trainee = DraftTrainee(draft, target, online=online, steps=steps, decay=decay, objective=objective,
                            temperature=temperature, num_anchors=cand.num_anchors, gamma=cand.gamma, seed=cfg.seed)
-    trainer = Trainer(trainee, cfg.train, trainable=TRAINABLE, loss_fn=_loss_fn, eval_fn=_eval_fn)
+    trainer = Trainer(trainee, cfg.train_for(cand), trainable=TRAINABLE, loss_fn=_loss_fn, eval_fn=_eval_fn)
     n_params = sum(x.size for x in jax.tree.leaves(trainer.params))
     log.info("draft[%s]: %s with %.2fM trainable parameters, objective %s at T=%g, %s features from layers %s",
              cand.label, kind, n_params / 1e6, cand.loss, temperature, "online" if online else "offline", aux_ids)
@@ -371,7 +371,7 @@ def train_mtp(cand: DraftCandidate, cfg: DraftConfig, target_dir: Path, traces_d
     def eval_fn(m: nnx.Module, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
         return loss_fn(m, batch)[0], batch["loss_mask"].astype(jnp.float32).sum()
 
-    trainer = Trainer(model, cfg.train, trainable=mtp_trainable(model), loss_fn=loss_fn, eval_fn=eval_fn)
+    trainer = Trainer(model, cfg.train_for(cand), trainable=mtp_trainable(model), loss_fn=loss_fn, eval_fn=eval_fn)
     n_params = sum(x.size for x in jax.tree.leaves(trainer.params))
     log.info("draft[%s]: fine-tuning the target's %d MTP layer(s), %.2fM trainable parameters, %d steps, "
              "objective %s at T=%g", cand.label, model.num_mtp_layers, n_params / 1e6, steps, cand.loss, temperature)

@@ -23,11 +23,12 @@ os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
 os.environ["FORGELINE_WORKDIR"] = tempfile.mkdtemp(prefix="forgeline-work-")
 
 # JAX's persistent compilation cache: the command-line processes the tests start (stages, releases, the local
-# stack's workers) use it as the forgeline commands do, one folder per pytest-xdist worker (JAX writes an entry
-# in place, not by rename, so two workers sharing a folder can read each other's half-written entries). The
-# pytest processes themselves run without it: hosting hundreds of compiles next to torch and the reference
-# libraries, a worker died twice inside the cache's own calls (SIGABRT reading an entry, 50c0662 here; a crash
-# in `executable.serialize()` writing one, CI at 785a5ae), and pytest-xdist then hung instead of finishing.
+# stack's workers) use it as the forgeline commands do, one folder per pytest-xdist worker. The pytest processes
+# themselves run without it: hosting hundreds of compiles next to torch and the reference libraries, a worker
+# died twice inside XLA's own (de)serialization of a CPU executable (SIGABRT in `deserialize_executable` reading
+# an entry, at 50c0662 here; a crash in `executable.serialize()` writing one, CI at 785a5ae), and pytest-xdist
+# then hung instead of finishing. Not a race between writers: JAX stores entries zstd/zlib-compressed, so a
+# truncated entry fails to decompress, which JAX reports as a warning and recompiles.
 from tasks.cli import cache_root, configure_jax  # noqa: E402
 
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
