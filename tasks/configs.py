@@ -194,10 +194,6 @@ class DraftCandidate(BaseModel):
 class DraftConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    def train_for(self, cand: DraftCandidate) -> TrainConfig:
-        """The optimisation settings of one candidate: `train`, with the candidate's own `steps` if set."""
-        return self.train if cand.steps is None else self.train.model_copy(update={"steps": cand.steps})
-
     candidates: list[DraftCandidate] = Field([DraftCandidate()], min_length=1)
     k: int = Field(5, ge=1)  # draft tokens per verify forward the export recommends to engines
     ttt_steps: int = Field(7, ge=1)  # training-time-test unroll length (EAGLE-3: 7)
@@ -230,6 +226,10 @@ class DraftConfig(BaseModel):
             if c.kind == "dflash" and (c.block_size or self.k + 1) < self.k + 1:
                 raise ValueError(f"candidates[{c.label}]: block_size {c.block_size} < k + 1 = {self.k + 1}")
         return self
+
+    def train_for(self, cand: DraftCandidate) -> TrainConfig:
+        """The optimisation settings of one candidate: `train`, with the candidate's own `steps` if set."""
+        return self.train if cand.steps is None else self.train.model_copy(update={"steps": cand.steps})
 
 
 class Gates(BaseModel):
