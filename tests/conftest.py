@@ -15,6 +15,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+pytest_plugins = ["tests.crash_rerun"]  # a test whose xdist worker dies runs once more in a fresh one
+
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
 # Local scratch (staging, training checkpoints keyed by stage fingerprint) of this test process alone: two
@@ -24,17 +26,35 @@ os.environ["FORGELINE_WORKDIR"] = tempfile.mkdtemp(prefix="forgeline-work-")
 
 # JAX's persistent compilation cache: the command-line processes the tests start (stages, releases, the local
 # stack's workers) use it as the forgeline commands do, one folder per pytest-xdist worker. The pytest processes
-# themselves run without it: hosting hundreds of compiles next to torch and the reference libraries, a worker
-# died twice inside XLA's own (de)serialization of a CPU executable (SIGABRT in `deserialize_executable` reading
-# an entry, at 50c0662 here; a crash in `executable.serialize()` writing one, CI at 785a5ae), and pytest-xdist
-# then hung instead of finishing. Not a race between writers: JAX stores entries zstd/zlib-compressed, so a
-# truncated entry fails to decompress, which JAX reports as a warning and recompiles.
+# themselves run without it (it saved nothing measurable in a full run): a worker died inside XLA's
+# (de)serialization of a CPU executable twice, and once more without the cache (CI at c444c14). The cause was
+# the worker's count of memory mappings (`_drop_compiled_programs` below), not the cache.
 from tasks.cli import cache_root, configure_jax  # noqa: E402
 
-if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+# (A worker inherits the controller's `jax-main` with its environment: that one is replaced, a folder the
+# user chose is kept.)
+if os.environ.get("JAX_COMPILATION_CACHE_DIR") in (None, str(cache_root() / "jax-main")):
     worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
     os.environ["JAX_COMPILATION_CACHE_DIR"] = str(cache_root() / f"jax-{worker}")
 configure_jax(compilation_cache=False)
+
+
+# XLA:CPU maps each compiled program's code into the process (three memory mappings each) and keeps it while
+# JAX's caches hold the program, which for a module-level `jax.jit` is for the life of the process. A pytest
+# worker that compiles thousands of programs over a full run (20k mappings at a fifth of it, here) would reach
+# the kernel's `vm.max_map_count` (65530): the next mmap then fails inside XLA and the worker dies in whatever
+# test is compiling or serializing a program -- the crashes described above. Each test module's programs are
+# dropped when the module ends (`jax.clear_caches()`); a later module that needs one compiles it again.
+@pytest.fixture(autouse=True, scope="module")
+def _drop_compiled_programs():
+    yield
+    if "jax" in sys.modules:
+        import gc
+
+        import jax
+
+        jax.clear_caches()
+        gc.collect()
 
 
 @pytest.fixture(scope="session")
