@@ -3,8 +3,10 @@ each costs seconds to start on the 2-core CI machines."""
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -23,6 +25,7 @@ os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
 # pytest-xdist workers computing the same stage for different stores must not share a checkpoint folder
 # (so not inherited from the controller process either).
 os.environ["FORGELINE_WORKDIR"] = tempfile.mkdtemp(prefix="forgeline-work-")
+atexit.register(shutil.rmtree, os.environ["FORGELINE_WORKDIR"], ignore_errors=True)
 
 # JAX's persistent compilation cache: the command-line processes the tests start (stages, releases, the local
 # stack's workers) use it as the forgeline commands do, one folder per pytest-xdist worker. The pytest processes
