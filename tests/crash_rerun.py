@@ -2,8 +2,9 @@
 
 A worker that dies (a native crash inside XLA's CPU runtime: three so far, in full runs that compile thousands
 of programs per process, each in a test that passes alone, traced to the process running out of memory
-mappings, which tests/conftest.py now prevents; or a kill) takes the test it was running with it. pytest-xdist replaces the worker and hands the dead worker's unfinished tests, the
-crashed one first, to the fresh process (its `loadfile` scheduler re-queues the unfinished part of the file).
+mappings, which tests/conftest.py now prevents; or a kill) takes the test it was running with it. pytest-xdist
+replaces the worker and hands the dead worker's unfinished tests, the crashed one first, to the fresh process
+(its `loadfile` scheduler re-queues the unfinished part of the file).
 This plugin marks the *first* crash of a test "rerun" instead of failed, so the test's verdict is its run in
 the fresh worker, and lists every crash at the end of the run. A second crash of the same test fails it, as
 does a crash once `--max-worker-restart` is spent, and a crashed test that never ran again fails the
