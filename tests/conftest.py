@@ -4,6 +4,7 @@ each costs seconds to start on the 2-core CI machines."""
 from __future__ import annotations
 
 import atexit
+import gc
 import json
 import os
 import shutil
@@ -52,13 +53,10 @@ configure_jax(compilation_cache=False)
 @pytest.fixture(autouse=True, scope="module")
 def _drop_compiled_programs():
     yield
-    if "jax" in sys.modules:
-        import gc
+    import jax  # imported already: configure_jax above
 
-        import jax
-
-        jax.clear_caches()
-        gc.collect()
+    jax.clear_caches()
+    gc.collect()
 
 
 @pytest.fixture(scope="session")
