@@ -211,6 +211,9 @@ def test_benchmarks_run_on_the_release(released, tmp_path, capsys):
     greedy = [r for r in rows if "lossless" in r]  # greedy rows compare against plain decoding token for token
     # per target: each candidate's chain / parallel row, and the EAGLE-3 tree
     assert len(greedy) == 2 * 3 and all(r["lossless"] for r in greedy), greedy
+    # each row's bound: the measured verify/step cost ratio and τ over it
+    assert all(r["verify_cost_ratio"] > 0 and r["speedup_bound"] == r["acceptance_length"] / r["verify_cost_ratio"]
+               for r in rows), rows
     st = Store(store, cache_dir=tmp_path / "cache")
     lineage = json.loads(storage.read_bytes(storage.join(url, "lineage.json")))
     model = st.fetch(st.load(st.url(lineage["stages"]["finetune"]["key"]))) / "model"
