@@ -1,6 +1,6 @@
 """Quantization benchmark: every scheme vs the float model it came from, on the same held-out rows, in one run.
 
-    python -m benchmarks.quant --model DIR --data DIR [--schemes int8,fp8-block,w4a16-rtn,w4a16-gptq,w4a16-awq]
+    python -m benchmarks.quant --model DIR --data DIR [--schemes int8,fp8-block,w4a16-rtn,w4a16-gptq,w4a16-awq,...]
                                [--group 128] [--calib-samples 64] [--eval-batches 16] [--out FILE.json]
     python -m benchmarks.quant --store DIR ...    # the store's newest fine-tuned model and its data
 
@@ -21,7 +21,8 @@ Peer ratio: each GPTQ / AWQ row is divided by the round-to-nearest row with the 
 symmetry measured in the same run (`vs RTN` = its perplexity increase / RTN's); when that RTN scheme is not
 in `--schemes` it is added. Aims (docs/quantization.md; forgeline issue 6, the
 evaluate gates' defaults `tasks.evaluate.Gates`): int8 / w8a16 increase <= 0.5 %, fp8-block <= 0.3 %,
-int4 GPTQ/AWQ <= 2 % and below RTN's increase, every int4 scheme's bytes <= 0.30x bf16.
+int4 GPTQ/AWQ <= 2 % and below RTN's increase, every int4 scheme's bytes <= 0.30x bf16; FP4 (nvfp4a16,
+mxfp4a16; issue 18) <= 3 %.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from models import quant
 from tasks.evaluate import EvalConfig, Gates, _batches, agreement, perplexity
 from tasks.quantize import CalibrationConfig, calibration_batches, disk_bytes
 
-DEFAULT_SCHEMES = "int8,fp8-block,w4a16-rtn,w4a16-gptq,w4a16-awq"
+DEFAULT_SCHEMES = "int8,fp8-block,w4a16-rtn,w4a16-gptq,w4a16-awq,nvfp4a16,mxfp4a16"
 INT4_BYTES_AIM = 0.30  # issue 6: int4 weights on disk <= 0.30x their bf16 size
 
 

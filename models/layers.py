@@ -39,12 +39,13 @@ def hf_name(path: tuple) -> str:
 
 
 class QuantWeight(nnx.Variable):
-    """Quantized weight codes, [in, out] (int8 holding int4/int8 codes, or float8_e4m3fn). Not a Param:
-    optimizers never touch it."""
+    """Quantized weight codes, [in, out] (int8 holding int4/int8 codes, float8_e4m3fn, or float8_e4m3fn
+    holding FP4 E2M1 values, which it represents exactly). Not a Param: optimizers never touch it."""
 
 
 class QuantScale(nnx.Variable):
-    """Dequantisation scales: [G, out] per input group (G = 1 per channel), or [in/128, out/128] blocks."""
+    """Dequantisation scales: [G, out] per input group (G = 1 per channel), or [in/128, out/128] blocks; an
+    NVFP4 weight's global scale [1] (the group scales are divided by it)."""
 
 
 class QuantZero(nnx.Variable):
@@ -52,12 +53,16 @@ class QuantZero(nnx.Variable):
 
 
 def dequantize(q: jax.Array, scale: jax.Array, zero: jax.Array | None, block: int | None,
-               dtype: Any = jnp.float32) -> jax.Array:
+               dtype: Any = jnp.float32, global_scale: jax.Array | None = None) -> jax.Array:
     """Quantized codes -> float weight, for any leading (expert) axes.
 
     int codes q [..., in, out] with scale / zero [..., G, out]: w = (q - zero[g]) · scale[g] with g = i // (in / G).
     float8 codes (`block` set) with scale [..., ceil(in/block), ceil(out/block)]: w = q · scale of its tile.
+    FP4 codes (E2M1 values held as float8) with scale [..., G, out]: w = q · scale[g], and with an NVFP4
+    `global_scale` [..., 1]: w = q · (scale[g] / global_scale), in float32 (compressed-tensors' order).
     """
+    if global_scale is not None:
+        scale = scale.astype(jnp.float32) / global_scale.astype(jnp.float32)[..., None]  # [..., G, out]
     *lead, n_in, n_out = q.shape
     if block is not None:
         s = jnp.repeat(jnp.repeat(scale.astype(dtype), block, axis=-2), block, axis=-1)[..., :n_in, :n_out]
@@ -117,6 +122,7 @@ class Linear(nnx.Module):
         self.qweight = nnx.data(None)
         self.scale = nnx.data(None)
         self.zero = nnx.data(None)
+        self.qglobal = nnx.data(None)  # NVFP4: the global scale [1]
         self.qblock: int | None = None  # FP8 block edge (scale per qblock x qblock tile); None for int schemes
         self.qbits = 0  # bits per code of an int scheme (4 or 8; int4 codes are held one per int8)
         self.calibrating = False  # models/quant/: sow this layer's inputs for calibration statistics
@@ -146,7 +152,7 @@ class Linear(nnx.Module):
         """The effective float kernel [in, out]: dequantized and with LoRA folded in."""
         if self.qweight is not None:
             w = dequantize(self.qweight[...], self.scale[...], None if self.zero is None else self.zero[...],
-                           self.qblock)
+                           self.qblock, global_scale=None if self.qglobal is None else self.qglobal[...])
         else:
             w = self.kernel[...]
         if self.lora_a is not None:
@@ -161,13 +167,14 @@ class Linear(nnx.Module):
         x = x.astype(self.dtype).reshape(-1, self.in_features)  # [B*T, in]
         if self.calibrating:
             self.sow(nnx.Intermediate, "calib", x)
-        if self.qweight is not None and self.zero is None and self.qblock is None and self.scale.shape[0] == 1:
+        if self.qweight is not None and self.zero is None and self.qblock is None and self.qglobal is None \
+                and self.scale.shape[0] == 1:
             # per-channel symmetric: the scale is applied to the [.., out] result
             y = x @ self.qweight[...].astype(self.dtype) * self.scale[...][0].astype(self.dtype)
         elif self.qweight is not None:
             # dequantize on the fly, one group / tile of scales at a time
             w = dequantize(self.qweight[...], self.scale[...], None if self.zero is None else self.zero[...],
-                           self.qblock, self.dtype)
+                           self.qblock, self.dtype, None if self.qglobal is None else self.qglobal[...])
             y = x @ w
         else:
             y = x @ self.kernel[...].astype(self.dtype)

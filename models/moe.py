@@ -275,8 +275,8 @@ class Experts(nnx.Module):
 
     Quantized (models/quant/): gate_up / down are None and each has codes `<w>_q` QuantWeight [E, in, out],
     scales `<w>_scale` QuantScale [E, G, out] (or FP8 tiles [E, in/128, out/128] with `qblock`) and, for
-    asymmetric schemes, `<w>_zero` QuantZero [E, G, out]: every expert quantized on its own; the forward
-    dequantizes them on the fly.
+    asymmetric schemes, `<w>_zero` QuantZero [E, G, out], for NVFP4 `<w>_global` QuantScale [E, 1] (gate and
+    up share one): every expert quantized on its own; the forward dequantizes them on the fly.
     """
 
     def __init__(
@@ -305,7 +305,7 @@ class Experts(nnx.Module):
         self.lora_scale = 0.0  # alpha / r
         self.lora_rank, self.lora_alpha = 0, 0.0
         for w in ("gate_up", "down"):
-            for part in ("q", "scale", "zero"):
+            for part in ("q", "scale", "zero", "global"):  # global: NVFP4's per-expert global scale [E, 1]
                 setattr(self, f"{w}_{part}", nnx.data(None))
         self.qblock: int | None = None
         self.qbits = 0
@@ -351,8 +351,8 @@ class Experts(nnx.Module):
 
     def expert_weights(self, w: str, dtype: Any) -> ExpertWeights:
         """The quantized stack `w` ("gate_up" | "down") for grouped_matmul, dequantized one expert at a time."""
-        q, s, z = (getattr(self, f"{w}_{p}") for p in ("q", "scale", "zero"))
-        q, s, z = q[...], s[...], None if z is None else z[...]
+        q, s, z, g = (getattr(self, f"{w}_{p}") for p in ("q", "scale", "zero", "global"))
+        q, s, z, g = q[...], s[...], None if z is None else z[...], None if g is None else g[...]
         I, block = self.intermediate_size, self.qblock
 
         def fn(e: jax.Array) -> jax.Array:  # [D, O] of expert e
@@ -361,7 +361,8 @@ class Experts(nnx.Module):
                 st = se.shape[-1] // 2
                 return jnp.concatenate([dequantize(qe[:, :I], se[:, :st], None, block, dtype),
                                         dequantize(qe[:, I:], se[:, st:], None, block, dtype)], axis=-1)
-            return dequantize(qe, se, None if z is None else _expert(z, e), block, dtype)
+            return dequantize(qe, se, None if z is None else _expert(z, e), block, dtype,
+                              None if g is None else _expert(g, e))
 
         return ExpertWeights(fn, tuple(q.shape))
 

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 from flax import nnx
 
@@ -40,9 +41,14 @@ from models.quant.targets import Unit, check_supported, is_quantized, quant_unit
 # ------------------------------------------------------------------------------------------------
 
 
-def quantize_matrix(w: np.ndarray, stats: Stats | None, scheme: Scheme, opts: Options) -> tuple[QMatrix, str]:
-    """w [out, in] float32 -> (QMatrix, the algorithm used: fp8-block, gptq or rtn). GPTQ without
-    calibration tokens falls back to RTN; AWQ's weights arrive already scaled and are rounded by RTN."""
+def quantize_matrix(w: np.ndarray, stats: Stats | None, scheme: Scheme, opts: Options,
+                    global_scale: np.ndarray | None = None) -> tuple[QMatrix, str]:
+    """w [out, in] float32 -> (QMatrix, the algorithm used: fp8-block, nvfp4, mxfp4, gptq or rtn). GPTQ without
+    calibration tokens falls back to RTN; AWQ's weights arrive already scaled and are rounded by RTN.
+    `global_scale`: NVFP4's, shared with the fused siblings (`nvfp4_global_scales`); default: w's own."""
+    if scheme.kind == "fp4":
+        t = Q.nvfp4(w, global_scale) if scheme.fp4 == "nvfp4" else Q.mxfp4(w)
+        return QMatrix(t.q.astype(ml_dtypes.float8_e4m3fn), t.scale, None, t.global_scale), scheme.fp4
     if scheme.kind == "fp8-block":
         q, s = Q.fp8_block(w, (FP8_BLOCK, FP8_BLOCK))
         return QMatrix(np.asarray(q), np.asarray(s, np.float32)), "fp8-block"
@@ -58,6 +64,8 @@ def quantize_matrix(w: np.ndarray, stats: Stats | None, scheme: Scheme, opts: Op
 
 
 def dequantized(qm: QMatrix, scheme: Scheme) -> np.ndarray:
+    if scheme.kind == "fp4":
+        return Q.dequantize_fp4(qm.q, qm.scale, qm.global_scale)
     if scheme.kind == "fp8-block":
         return np.asarray(Q.dequantize_fp8_block(qm.q, qm.scale, (FP8_BLOCK, FP8_BLOCK)))
     return np.asarray(Q.dequantize(Q.QTensor(qm.q, qm.scale, qm.zero), scheme.args))
@@ -77,16 +85,39 @@ def _row(name: str, w: np.ndarray, qm: QMatrix, stats: Stats | None, scheme: Sch
 
 
 # ------------------------------------------------------------------------------------------------
+# NVFP4 global scales: one per group of projections an engine fuses into one GEMM
+# ------------------------------------------------------------------------------------------------
+
+# vLLM / SGLang load q/k/v, MLA's q_a/kv_a and gate/up as one fused weight with ONE global scale, so each group's
+# global scale comes from its largest |w| (llm-compressor `update_fused_layer_weight_global_scales` does the same)
+FUSED_PROJECTIONS = (("q_proj", "k_proj", "v_proj"), ("q_a_proj", "kv_a_proj_with_mqa"), ("gate_proj", "up_proj"))
+
+
+def nvfp4_global_scales(units: Sequence[Unit]) -> dict[str, np.ndarray]:
+    """HF name -> the NVFP4 global scale [1] of every quantized Linear, shared within fused groups. (Experts:
+    each expert's gate/up share one, set in `_quantize_unit`.)"""
+    amax = {u.name: float(np.max(np.abs(np.asarray(u.module.weight(), np.float32)), initial=0.0))
+            for u in units if isinstance(u.module, Linear)}
+    group_of = {p: i for i, g in enumerate(FUSED_PROJECTIONS) for p in g}
+    members: dict[tuple, list[str]] = {}
+    for name in amax:
+        parent, _, leaf = name.rpartition(".")
+        members.setdefault((parent, group_of.get(leaf, leaf)), []).append(name)
+    return {n: Q.nvfp4_global_scale(max(amax[m] for m in group)) for group in members.values() for n in group}
+
+
+# ------------------------------------------------------------------------------------------------
 # The driver
 # ------------------------------------------------------------------------------------------------
 
 
 def _quantize_unit(unit: Unit, stats: dict[str, Stats | ExpertStats], scheme: Scheme, opts: Options,
-                   awq_folded: set[str] = frozenset()) -> list[dict[str, Any]]:
+                   awq_folded: set[str] = frozenset(), globals_: dict[str, np.ndarray] | None = None
+                   ) -> list[dict[str, Any]]:
     if isinstance(unit.module, Linear):
         w = np.asarray(unit.module.weight(), np.float32).T  # [out, in], LoRA folded in
         st = stats.get(unit.name)
-        qm, how = quantize_matrix(w, st, scheme, opts)
+        qm, how = quantize_matrix(w, st, scheme, opts, (globals_ or {}).get(unit.name))
         set_linear(unit.module, qm, scheme.kind, scheme.bits)
         return [_row(unit.name, w, qm, st, scheme, *_label(unit.name, how, st, scheme, awq_folded))]
     ex: Experts = unit.module
@@ -104,9 +135,11 @@ def _quantize_unit(unit: Unit, stats: dict[str, Stats | ExpertStats], scheme: Sc
             for e in range(c0, c1):
                 st = None if H is None else st_all.expert(e, H[e - c0])
                 fallback = st is not None and st.n < opts.expert_min_tokens and pooled is not None and pooled.n > 0
+                g = Q.nvfp4_global_scale(max(float(np.abs(stack[e]).max(initial=0.0)) for _, stack in parts)) \
+                    if scheme.fp4 == "nvfp4" else None  # gate and up: one fused projection, one global scale
                 for part, stack in parts:
                     w = stack[e].T  # [out, in]
-                    qm, how = quantize_matrix(w, pooled if fallback else st, scheme, opts)
+                    qm, how = quantize_matrix(w, pooled if fallback else st, scheme, opts, g)
                     how, note = _label(unit.name, how, pooled if fallback else st, scheme, awq_folded)
                     if fallback and scheme.method == "gptq":
                         note = (f"{int(st.n)} routed tokens < expert_min_tokens {opts.expert_min_tokens}: "
@@ -120,7 +153,7 @@ def _quantize_unit(unit: Unit, stats: dict[str, Stats | ExpertStats], scheme: Sc
 
 def _label(name: str, how: str, st: Stats | None, scheme: Scheme, awq_folded: set[str]) -> tuple[str, str | None]:
     """(method, fallback reason or None) for the report."""
-    if scheme.kind == "fp8-block" or scheme.method == "rtn":
+    if scheme.kind in ("fp8-block", "fp4") or scheme.method == "rtn":
         return how, None
     if st is None or st.n <= 0:
         return "rtn", "no calibration tokens reached it: RTN"
@@ -145,10 +178,11 @@ def quantize_model(model: nnx.Module, scheme: Scheme, batches: Sequence[tuple[np
     if not units:
         raise ValueError("nothing to quantize: every Linear is ignored")
     check_supported(units, scheme)
+    globals_ = nvfp4_global_scales(units) if scheme.fp4 == "nvfp4" else None
     if not batches:  # RTN and FP8 need no data (the report then has weight errors only); GPTQ / AWQ do
         if scheme.kind == "int" and scheme.method != "rtn":
             raise ValueError(f"scheme {scheme.name}: {scheme.method.upper()} needs calibration data")
-        rows = [r for u in units for r in _quantize_unit(u, {}, scheme, opts)]
+        rows = [r for u in units for r in _quantize_unit(u, {}, scheme, opts, globals_=globals_)]
         model.quant_scheme, model.quant_ignore = scheme, tuple(ignore)
         return {"scheme": scheme.name, "modules": rows, "awq": [], "seconds": time.perf_counter() - t0,
                 "calibration_tokens": 0}
@@ -165,11 +199,11 @@ def quantize_model(model: nnx.Module, scheme: Scheme, batches: Sequence[tuple[np
             awq_rows += awq_layer(model.layers[i], i, stats, layer_units, scheme, opts)
         folded = {m for r in awq_rows for m in r["modules"]}
         for u in layer_units:
-            rows += _quantize_unit(u, stats, scheme, opts, folded)
+            rows += _quantize_unit(u, stats, scheme, opts, folded, globals_)
         xs = [_layer_forward(model, x, seg, i) for x, seg in zip(xs, segs, strict=True)]  # quantized layer's output
     for u in units:  # modules the main stack never runs (e.g. DeepSeek/GLM MTP layers): no calibration
         if u.layer is None or u.layer >= L:
-            rows += _quantize_unit(u, {}, scheme, opts)
+            rows += _quantize_unit(u, {}, scheme, opts, globals_=globals_)
     model.quant_scheme, model.quant_ignore = scheme, tuple(ignore)
     missing = [u.name for u in units if not _unit_quantized(u)]
     if missing:  # coverage: every selected module must come out quantized (issue trackers; docs/quantization.md)

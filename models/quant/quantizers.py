@@ -38,7 +38,7 @@ import ml_dtypes
 import numpy as np
 from jax import lax
 
-from models.quant.schemes import IntArgs  # noqa: F401 - the settings this math takes, re-exported
+from models.quant.schemes import FP4_GROUP, IntArgs  # noqa: F401 - the settings this math takes, re-exported
 
 FP8_MAX = 448.0
 _EPS = float(np.finfo(np.float32).eps)  # compressed-tensors' zero-scale replacement for float32 scales
@@ -411,3 +411,119 @@ def dequantize_fp8_block(q, scale, block: tuple[int, int] = (128, 128)) -> np.nd
         raise ValueError(f"scale shape {s.shape} does not match {qf.shape} in {tuple(block)} blocks")
     full = np.repeat(np.repeat(s, block[0], axis=0), block[1], axis=1)[: qf.shape[0], : qf.shape[1]]
     return qf * full
+
+
+# ----------------------------------------------------------------------------- FP4 (NVFP4, MXFP4)
+#
+# E2M1 values: ±{0, 0.5, 1, 1.5, 2, 3, 4, 6}. compressed-tensors 0.20 conventions
+# (`quantization/utils/helpers.py::calculate_qparams`, `generate_gparam`, `quantization/utils/mxfp_utils.py`,
+# `quantization/lifecycle/forward_helpers.py::_quantize`), so scales and codes agree bit for bit:
+# * NVFP4 (TENSOR_GROUP, 16 values a group): global g = 448 · 6 / amax(tensor) (float32; 1 when not finite);
+#   scale_g = fp8_e4m3(g · (amax_g / 6)) (0 -> 0.125, the FP8 eps); codes = e2m1(clamp(w / (scale_g / g), ±6));
+#   w ≈ codes · (scale_g / g).
+# * MXFP4 (GROUP, 32 values a group): scale_g = 2^(e - 127) with the E8M0 code e = clamp(E(amax_g) - 2, 0, 255),
+#   E(x) the biased exponent of x rounded to a power of two (mantissa >= 0.75 rounds up); 2 = floor(log2 6);
+#   codes = e2m1(clamp(w / scale_g, ±6)).
+# Rounding to E2M1 is round-half-to-even on the value grid (compressed-tensors `cast_to_fp4`).
+
+FP4_MAX = 6.0
+FP8_EPS = 0.125  # compressed-tensors' replacement for a zero FP8 scale (`_get_dtype_eps`)
+
+
+class FP4Tensor(NamedTuple):
+    q: np.ndarray  # float32 [out, in], E2M1 values (a negative w rounded to zero is -0: its code has the sign bit)
+    scale: np.ndarray  # float32 [out, G]: FP8-E4M3 values (NVFP4) or powers of two (MXFP4)
+    global_scale: np.ndarray | None  # float32 [1] (NVFP4), None (MXFP4)
+
+
+# Host (numpy) code: XLA's CPU and GPU backends flush subnormal floats to zero, which an MXFP4 scale of
+# 2^-127 (an all-zero group) and tiny weights need; numpy keeps IEEE semantics, so the codes match
+# compressed-tensors' bit for bit on any machine.
+E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
+# (boundary, inclusive): |x| passes it when |x| > b, or |x| >= b where the tie rounds up (to the even code)
+_E2M1_BOUNDS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
+
+
+def e2m1_index(x: np.ndarray) -> np.ndarray:
+    """|x| (x within ±6) -> the index 0..7 of its nearest E2M1 magnitude, ties to the even code."""
+    a = np.abs(x)
+    idx = np.zeros(a.shape, np.uint8)
+    for b, inclusive in _E2M1_BOUNDS:
+        idx += (a >= b) if inclusive else (a > b)
+    return idx
+
+
+def round_e2m1(x: np.ndarray) -> np.ndarray:
+    """x -> the nearest E2M1 value (float32), clamped to ±6, ties to even; a negative x that rounds to zero
+    gives -0 (its code carries the sign bit), -0 itself gives +0, as torch's `sign(x) · |r|` does."""
+    x = np.clip(np.asarray(x, np.float32), -FP4_MAX, FP4_MAX)
+    r = E2M1_VALUES[e2m1_index(x)]
+    return np.where(x < 0, -r, r)
+
+
+def nvfp4_global_scale(amax) -> np.ndarray:
+    """The NVFP4 global scale float32 [1] for a tensor (or fused tensors) whose largest |w| is `amax`."""
+    a = np.maximum(np.float32(amax), np.finfo(np.float32).tiny)
+    with np.errstate(over="ignore", divide="ignore"):
+        # torch's `scalar / tensor` is `tensor.reciprocal() * scalar`: two float32 roundings, kept for bit parity
+        g = (np.float32(1.0) / a) * np.float32(FP8_MAX * FP4_MAX)
+    return np.asarray([g if np.isfinite(g) else np.float32(1.0)], np.float32)
+
+
+def _groups(w, fmt: str) -> np.ndarray:
+    """w [out, in] -> float32 [out, G, group]; errors for a non-dividing group size."""
+    w = np.asarray(w, np.float32)
+    if w.ndim != 2:
+        raise ValueError(f"expected a 2-D weight [out, in], got shape {w.shape}")
+    if w.shape[1] % FP4_GROUP[fmt]:
+        raise ValueError(f"{fmt}: group size {FP4_GROUP[fmt]} does not divide in_features {w.shape[1]}")
+    return w.reshape(w.shape[0], -1, FP4_GROUP[fmt])
+
+
+def nvfp4(w, global_scale=None) -> FP4Tensor:
+    """NVFP4 round-to-nearest of w [out, in]. `global_scale` [1]: shared by fused projections (q/k/v,
+    gate/up: engines fuse them and need one global scale); default: this tensor's own."""
+    t = _groups(w, "nvfp4")  # [out, G, 16]
+    g = nvfp4_global_scale(np.abs(t).max(initial=0.0)) if global_scale is None \
+        else np.asarray(global_scale, np.float32).reshape(1)
+    s = g[0] * (np.abs(t).max(axis=-1) / np.float32(FP4_MAX))  # [out, G]
+    s = np.clip(s, -FP8_MAX, FP8_MAX).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    s[s == 0] = FP8_EPS
+    q = round_e2m1(t / (s / g[0])[..., None])
+    return FP4Tensor(q.reshape(t.shape[0], -1), s, g)
+
+
+def mx_scale(amax: np.ndarray) -> np.ndarray:
+    """Per-group amax float32 -> the E8M0 code uint8: the biased exponent of amax rounded to a power of
+    two (a mantissa of 0.75 or more rounds up), minus floor(log2 6) = 2, clamped to 0..255."""
+    bits = np.asarray(amax, np.float32).view(np.int32)
+    rounded = (bits + (1 << 21)) & (0xFF << 23)  # amax >= 0: keep the exponent
+    return np.clip((rounded >> 23) - 2, 0, 255).astype(np.uint8)
+
+
+def mx_scale_value(code: np.ndarray) -> np.ndarray:
+    """E8M0 codes uint8 -> 2^(code - 127) float32, exact (code 0 is the subnormal 2^-127)."""
+    return np.ldexp(np.float32(1.0), np.asarray(code).astype(np.int32) - 127).astype(np.float32)
+
+
+def mx_code(scale: np.ndarray) -> np.ndarray:
+    """Inverse of `mx_scale_value`: a power-of-two scale float32 -> its E8M0 code uint8 (its biased exponent;
+    the subnormal 2^-127 has exponent bits 0, its code)."""
+    return (np.asarray(scale, np.float32).view(np.int32) >> 23).astype(np.uint8)
+
+
+def mxfp4(w) -> FP4Tensor:
+    """MXFP4 round-to-nearest of w [out, in]: E2M1 codes, one power-of-two scale per 32 values."""
+    t = _groups(w, "mxfp4")  # [out, G, 32]
+    s = mx_scale_value(mx_scale(np.abs(t).max(axis=-1)))  # [out, G]
+    q = round_e2m1(t / s[..., None])
+    return FP4Tensor(q.reshape(t.shape[0], -1), s, None)
+
+
+def dequantize_fp4(q, scale, global_scale=None) -> np.ndarray:
+    """codes [out, in] · (scale [out, G] / global_scale), float32, in compressed-tensors' order."""
+    qf, s = np.asarray(q, np.float32), np.asarray(scale, np.float32)
+    if global_scale is not None:
+        s = s / np.asarray(global_scale, np.float32).reshape(())
+    out, n = qf.shape
+    return (qf.reshape(out, s.shape[1], -1) * s[:, :, None]).reshape(out, n)

@@ -3,8 +3,9 @@ the HF [out, in] orientation (the orientation of every file format); `Linear` (m
 stacked `Experts` (models/moe.py) hold them transposed, [in, out]. The driver sets this state
 (models/quant/driver.py), the file formats read and write it (models/quant/formats/).
 
-Codes are signed int8 (int4 codes one per byte) or float8_e4m3fn; scales float32 [out, G] per input group
-(G = 1: per channel) or [out/128, in/128] FP8 tiles; zero points int8 [out, G] for asymmetric schemes:
+Codes are signed int8 (int4 codes one per byte) or float8_e4m3fn (FP8 values, or FP4 E2M1 values, which
+e4m3 holds exactly, sign of zero included); scales float32 [out, G] per input group (G = 1: per channel) or
+[out/128, in/128] FP8 tiles; an NVFP4 global scale float32 [1]; zero points int8 [out, G] for asymmetric schemes:
 compressed-tensors' `weight_scale` / `weight_zero_point` conventions (`quantization/lifecycle/
 initialize.py`). See docs/quantization.md and docs/formats/compressed-tensors.md.
 """
@@ -22,7 +23,7 @@ from flax import nnx
 
 from models.layers import Linear, QuantScale, QuantWeight, QuantZero, param
 from models.moe import Experts
-from models.quant.schemes import FP8_BLOCK, Scheme, parse_scheme
+from models.quant.schemes import FP4_GROUP, FP8_BLOCK, Scheme, parse_scheme
 from models.quant.targets import quant_units
 
 # ------------------------------------------------------------------------------------------------
@@ -33,15 +34,16 @@ from models.quant.targets import quant_units
 @dataclasses.dataclass
 class QMatrix:
     """One quantized weight in the HF orientation: codes [out, in] (int8 or float8_e4m3fn), scale [out, G]
-    (or FP8 tiles [out/128, in/128]), zero [out, G] or None."""
+    (or FP8 tiles [out/128, in/128]), zero [out, G] or None, NVFP4's global scale [1] or None."""
 
     q: np.ndarray
     scale: np.ndarray
     zero: np.ndarray | None = None
+    global_scale: np.ndarray | None = None
 
 
 def _codes_dtype(scheme_kind: str) -> Any:
-    return jnp.float8_e4m3fn if scheme_kind == "fp8-block" else jnp.int8
+    return jnp.float8_e4m3fn if scheme_kind in ("fp8-block", "fp4") else jnp.int8
 
 
 def set_linear(lin: Linear, qm: QMatrix, kind: str, bits: int = 8) -> None:
@@ -50,6 +52,8 @@ def set_linear(lin: Linear, qm: QMatrix, kind: str, bits: int = 8) -> None:
     lin.qweight = param(jnp.asarray(qm.q.T, _codes_dtype(kind)), (a_in, a_out), QuantWeight)  # [in, out]
     lin.scale = param(jnp.asarray(qm.scale.T, jnp.float32), (None, a_out), QuantScale)  # [G, out]
     lin.zero = None if qm.zero is None else param(jnp.asarray(qm.zero.T, jnp.int8), (None, a_out), QuantZero)
+    lin.qglobal = None if qm.global_scale is None else param(jnp.asarray(qm.global_scale, jnp.float32).reshape(1),
+                                                             (None,), QuantScale)
     lin.qblock = FP8_BLOCK if kind == "fp8-block" else None
     lin.qbits = bits
     lin.kernel = None
@@ -59,9 +63,14 @@ def set_linear(lin: Linear, qm: QMatrix, kind: str, bits: int = 8) -> None:
 def set_experts(ex: Experts, gate: Sequence[QMatrix], up: Sequence[QMatrix], down: Sequence[QMatrix], kind: str,
                 bits: int = 8) -> None:
     """Per-expert HF matrices (gate_proj, up_proj [I, D]; down_proj [D, I]) -> stacked codes: gate_up
-    [E, D, 2I] (gate columns first), scales [E, G, 2I] (FP8: gate's tiles then up's, [E, D/128, 2·I/128])."""
+    [E, D, 2I] (gate columns first), scales [E, G, 2I] (FP8: gate's tiles then up's, [E, D/128, 2·I/128]);
+    NVFP4 global scales [E, 1] (gate's and up's must be equal: one scale for the fused projection)."""
+    for e, (g, u) in enumerate(zip(gate, up, strict=True)):
+        if g.global_scale is not None and not np.array_equal(g.global_scale, u.global_scale):
+            raise ValueError(f"expert {e}: gate_proj and up_proj have different NVFP4 global scales "
+                             f"({g.global_scale} vs {u.global_scale}); fused projections share one")
     fused = [QMatrix(np.concatenate([g.q, u.q], 0), np.concatenate([g.scale, u.scale], 0),
-                     None if g.zero is None else np.concatenate([g.zero, u.zero], 0))
+                     None if g.zero is None else np.concatenate([g.zero, u.zero], 0), g.global_scale)
              for g, u in zip(gate, up, strict=True)]
     for w, mats, axes in (("gate_up", fused, ("expert", "embed", "mlp")), ("down", down, ("expert", "mlp", "embed"))):
         setattr(ex, f"{w}_q", param(jnp.asarray(np.stack([m.q.T for m in mats]), _codes_dtype(kind)), axes,
@@ -71,6 +80,10 @@ def set_experts(ex: Experts, gate: Sequence[QMatrix], up: Sequence[QMatrix], dow
         zero = None if mats[0].zero is None else param(jnp.asarray(np.stack([m.zero.T for m in mats]), jnp.int8),
                                                        (axes[0], None, axes[2]), QuantZero)
         setattr(ex, f"{w}_zero", zero)
+        glob = None if mats[0].global_scale is None else param(
+            jnp.asarray(np.stack([np.asarray(m.global_scale, np.float32).reshape(1) for m in mats])), (axes[0], None),
+            QuantScale)  # [E, 1]
+        setattr(ex, f"{w}_global", glob)
         setattr(ex, w, None)
     ex.gate_up_lora_a = ex.gate_up_lora_b = ex.down_lora_a = ex.down_lora_b = ex.lora_dropout = None
     ex.qblock = FP8_BLOCK if kind == "fp8-block" else None
@@ -79,25 +92,28 @@ def set_experts(ex: Experts, gate: Sequence[QMatrix], up: Sequence[QMatrix], dow
 
 def linear_qmatrix(lin: Linear) -> QMatrix:
     return QMatrix(np.asarray(lin.qweight[...]).T, np.asarray(lin.scale[...], np.float32).T,
-                   None if lin.zero is None else np.asarray(lin.zero[...]).T)
+                   None if lin.zero is None else np.asarray(lin.zero[...]).T,
+                   None if lin.qglobal is None else np.asarray(lin.qglobal[...], np.float32))
 
 
 def expert_qmatrices(ex: Experts) -> Iterator[tuple[int, str, QMatrix]]:
     """(expert, "gate_proj" | "up_proj" | "down_proj", QMatrix in the HF orientation) of quantized experts."""
     I = ex.intermediate_size
     for w in ("gate_up", "down"):
-        q, s, z = (getattr(ex, f"{w}_{p}") for p in ("q", "scale", "zero"))
+        q, s, z, g = (getattr(ex, f"{w}_{p}") for p in ("q", "scale", "zero", "global"))
         q, s = np.asarray(q[...]), np.asarray(s[...], np.float32)
         z = None if z is None else np.asarray(z[...])
+        g = None if g is None else np.asarray(g[...], np.float32)  # [E, 1]
         for e in range(q.shape[0]):
-            m = QMatrix(q[e].T, s[e].T, None if z is None else z[e].T)
+            m = QMatrix(q[e].T, s[e].T, None if z is None else z[e].T, None if g is None else g[e])
             if w == "down":
                 yield e, "down_proj", m
                 continue
             st = s.shape[-1] // 2 if ex.qblock else I  # the split point of the scales' rows
             for part, rows, srows in (("gate_proj", slice(0, I), slice(0, st)),
                                       ("up_proj", slice(I, 2 * I), slice(st, None))):
-                yield e, part, QMatrix(m.q[rows], m.scale[srows], None if m.zero is None else m.zero[rows])
+                yield e, part, QMatrix(m.q[rows], m.scale[srows], None if m.zero is None else m.zero[rows],
+                                       m.global_scale)
 
 
 def iter_qmatrices(model: nnx.Module) -> Iterator[tuple[str, QMatrix, Any]]:
@@ -136,6 +152,9 @@ def scheme_of(model: nnx.Module) -> Scheme:
         if m.qblock is not None:
             return parse_scheme("fp8-block")
         G = s[...].shape[-2]
+        codes = m.qweight if isinstance(m, Linear) else m.gate_up_q
+        if codes[...].dtype == jnp.float8_e4m3fn:  # FP4 values held as float8: the group size tells the format
+            return parse_scheme("nvfp4a16" if n_in // G == FP4_GROUP["nvfp4"] else "mxfp4a16")
         return Scheme(f"w{m.qbits}a16", "int", m.qbits, None if G == 1 else n_in // G, z is None)
     raise ValueError("the model is not quantized")
 

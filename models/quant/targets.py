@@ -85,14 +85,14 @@ def is_quantized(model: nnx.Module) -> bool:
 def check_divisible(units: Sequence[Unit], scheme: Scheme) -> None:
     """A group size must divide every quantized layer's input width (compressed-tensors and the serving
     kernels need whole groups): one error naming the first offending layer and the way out."""
-    if scheme.kind != "int" or scheme.group_size is None:
+    if scheme.kind not in ("int", "fp4") or scheme.group_size is None:
         return
+    way_out = "pick a group size that divides it (suffix -g<N>) or add" if scheme.kind == "int" else "add"
     for unit in units:
         for name, n_in in unit.in_features():
             if n_in % scheme.group_size:
                 raise ValueError(f"scheme {scheme.name}: group size {scheme.group_size} does not divide {name}'s "
-                                 f"input width {n_in}; pick a group size that divides it (suffix -g<N>) or add "
-                                 f"the layer to quantize.ignore")
+                                 f"input width {n_in}; {way_out} the layer to quantize.ignore")
 
 
 def check_supported(units: Sequence[Unit], scheme: Scheme) -> None:

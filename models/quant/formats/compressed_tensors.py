@@ -8,6 +8,11 @@ the tensors of every quantized module, HF names, [out, in] layout, experts writt
   (`pack_to_int32` / `unpack_from_int32`).
 * `float-quantized` FP8 128x128 blocks: `weight` float8_e4m3fn and `weight_scale` float32 tiles; mirrors
   `compressors/naive_quantized/base.py` (`FloatQuantizationCompressor`).
+* `nvfp4-pack-quantized` / `mxfp4-pack-quantized` FP4: `weight_packed` uint8 [out, in/2] (two E2M1 codes a
+  byte, the even element in the low nibble, code = sign bit 8 | magnitude index 0..7), `weight_scale`
+  float8_e4m3fn [out, in/16] (NVFP4) or uint8 E8M0 exponents [out, in/32] (MXFP4, value 2^(e - 127)), and
+  NVFP4's `weight_global_scale` float32 [1]; mirrors `compressors/nvfp4/` (`pack_fp4_to_uint8`) and
+  `compressors/mxfp4/base.py` with `compressors/mx_utils.py`.
 * `quantization_config`: one config group targeting Linear (`quantization/quant_config.py`,
   `quantization/quant_args.py`), `ignore` = the float modules and the routers.
 
@@ -26,7 +31,7 @@ from flax import nnx
 
 from models.layers import Linear
 from models.moe import Experts
-from models.quant.schemes import FP8_BLOCK, Scheme, parse_scheme
+from models.quant.schemes import FP4_GROUP, FP8_BLOCK, Scheme, parse_scheme
 from models.quant.state import QMatrix, iter_qmatrices, set_experts, set_linear
 from models.quant.targets import ALWAYS_IGNORED, quant_units
 
@@ -64,7 +69,35 @@ def unpack(packed: np.ndarray, bits: int, shape: tuple[int, int], axis: int = 1)
     return (vals.astype(np.int32) - (1 << (bits - 1))).astype(np.int8)
 
 
+FP4_FORMATS = {"nvfp4": "nvfp4-pack-quantized", "mxfp4": "mxfp4-pack-quantized"}
+
+
+def pack_fp4(q: np.ndarray) -> np.ndarray:
+    """E2M1 values [rows, cols] (cols even) -> uint8 [rows, cols/2]: code = 8·signbit | magnitude index, the
+    even element in the low nibble (compressed-tensors `pack_fp4_to_uint8`)."""
+    from models.quant.quantizers import e2m1_index
+    qf = np.asarray(q, np.float32)
+    codes = e2m1_index(qf) | (np.signbit(qf).astype(np.uint8) << 3)
+    return np.ascontiguousarray(codes[:, 0::2] | (codes[:, 1::2] << 4))
+
+
+def unpack_fp4(packed: np.ndarray) -> np.ndarray:
+    """Inverse of `pack_fp4`: uint8 [rows, cols/2] -> E2M1 values float32 [rows, cols] (-0 kept)."""
+    from models.quant.quantizers import E2M1_VALUES
+    b = np.asarray(packed).view(np.uint8)
+    codes = np.stack([b & 0x0F, b >> 4], axis=-1).reshape(b.shape[0], -1)  # [rows, cols]
+    mag = E2M1_VALUES[codes & 0x07]
+    return np.where(codes & 0x08, -mag, mag).astype(np.float32)
+
+
 def _weights_args(scheme: Scheme) -> dict[str, Any]:
+    if scheme.kind == "fp4":
+        nv = scheme.fp4 == "nvfp4"
+        return {"num_bits": 4, "type": "float", "symmetric": True, "strategy": "tensor_group" if nv else "group",
+                "group_size": scheme.group_size, "block_structure": None, "dynamic": False, "actorder": None,
+                "scale_dtype": "torch.float8_e4m3fn" if nv else "torch.uint8",
+                "zp_dtype": "torch.float8_e4m3fn" if nv else "torch.uint8",
+                "observer": "memoryless_minmax" if nv else "minmax", "observer_kwargs": {}}
     if scheme.kind == "fp8-block":
         return {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "block", "group_size": None,
                 "block_structure": [FP8_BLOCK, FP8_BLOCK], "dynamic": False, "actorder": None,
@@ -78,7 +111,8 @@ def _weights_args(scheme: Scheme) -> dict[str, Any]:
 def compressed_tensors_config(scheme: Scheme, ignore: Sequence[str]) -> dict[str, Any]:
     """`quantization_config` for config.json: one group targeting Linear with the scheme's weight args,
     weight-only (activations stay in the serving dtype), and the modules left in float."""
-    fmt = "float-quantized" if scheme.kind == "fp8-block" else "pack-quantized"
+    fmt = FP4_FORMATS[scheme.fp4] if scheme.kind == "fp4" else \
+        "float-quantized" if scheme.kind == "fp8-block" else "pack-quantized"
     return {
         "quant_method": "compressed-tensors",
         "format": fmt,
@@ -99,6 +133,15 @@ def _tensors_for(name: str, qm: QMatrix, scheme: Scheme, scale_dtype: Any) -> di
 
 
 def _tensors_raw(name: str, qm: QMatrix, scheme: Scheme, scale_dtype: Any) -> dict[str, np.ndarray]:
+    if scheme.kind == "fp4":
+        from models.quant.quantizers import mx_code
+        out = {f"{name}.weight_packed": pack_fp4(qm.q)}
+        if scheme.fp4 == "nvfp4":
+            out[f"{name}.weight_scale"] = qm.scale.astype(ml_dtypes.float8_e4m3fn)  # exact: FP8 values
+            out[f"{name}.weight_global_scale"] = np.asarray(qm.global_scale, np.float32).reshape(1)
+        else:  # E8M0 codes
+            out[f"{name}.weight_scale"] = mx_code(qm.scale)
+        return out
     if scheme.kind == "fp8-block":
         return {f"{name}.weight": np.asarray(qm.q).astype(ml_dtypes.float8_e4m3fn),
                 f"{name}.weight_scale": qm.scale.astype(scale_dtype)}
@@ -138,12 +181,17 @@ def read_scheme(qc: Mapping[str, Any], source: str) -> Scheme:
     if fmt == "float-quantized" and w.get("type") == "float" and w.get("strategy") == "block" \
             and list(w.get("block_structure") or []) == [FP8_BLOCK, FP8_BLOCK]:
         return parse_scheme("fp8-block")
+    for fp4, f in FP4_FORMATS.items():
+        if fmt == f and w.get("type") == "float" and w.get("num_bits") == 4 and w.get("group_size") == FP4_GROUP[fp4] \
+                and w.get("strategy") == ("tensor_group" if fp4 == "nvfp4" else "group"):
+            return parse_scheme(f"{fp4}a16")
     if fmt == "pack-quantized" and w.get("type") == "int" and w.get("num_bits") in (4, 8) \
             and w.get("strategy") in ("group", "channel"):
         group = w.get("group_size") if w.get("strategy") == "group" else None
         return Scheme("loaded", "int", int(w["num_bits"]), group, bool(w.get("symmetric", True)))
     raise ValueError(f"{source}: unsupported quantization_config weights {dict(w)} in format {fmt!r} (read: "
-                     "pack-quantized int4/int8 group or channel, float-quantized FP8 128x128 blocks)")
+                     "pack-quantized int4/int8 group or channel, float-quantized FP8 128x128 blocks, "
+                     "nvfp4-pack-quantized, mxfp4-pack-quantized)")
 
 
 def prepare_for_load(model: nnx.Module, scheme: Scheme, names: set[str]) -> None:
@@ -163,6 +211,9 @@ def prepare_for_load(model: nnx.Module, scheme: Scheme, names: set[str]) -> None
 
 
 def _zeros(out: int, n_in: int, scheme: Scheme) -> QMatrix:
+    if scheme.kind == "fp4":
+        return QMatrix(np.zeros((out, n_in), ml_dtypes.float8_e4m3fn), np.ones((out, scheme.groups(n_in)), np.float32),
+                       None, np.ones((1,), np.float32) if scheme.fp4 == "nvfp4" else None)
     if scheme.kind == "fp8-block":
         return QMatrix(np.zeros((out, n_in), ml_dtypes.float8_e4m3fn),
                        np.ones((math.ceil(out / FP8_BLOCK), math.ceil(n_in / FP8_BLOCK)), np.float32))
@@ -174,6 +225,18 @@ def _zeros(out: int, n_in: int, scheme: Scheme) -> QMatrix:
 def read_qmatrix(get: Any, name: str, out: int, n_in: int, scheme: Scheme) -> QMatrix | None:
     """Read one module's quantized tensors through hf_to_state's `get(name, shape)` (which records
     missing and mis-shaped tensors); None when any is missing."""
+    if scheme.kind == "fp4":
+        from models.quant.quantizers import mx_scale_value
+        G = scheme.groups(n_in)
+        packed = get(f"{name}.weight_packed", (out, n_in // 2))
+        nv = scheme.fp4 == "nvfp4"
+        scale = get(f"{name}.weight_scale", (out, G))
+        glob = get(f"{name}.weight_global_scale", (1,)) if nv else None
+        if packed is None or scale is None or (nv and glob is None):
+            return None
+        s = np.asarray(scale).astype(np.float32) if nv else mx_scale_value(np.asarray(scale).view(np.uint8))
+        return QMatrix(unpack_fp4(np.asarray(packed)).astype(ml_dtypes.float8_e4m3fn), s, None,
+                       None if glob is None else np.asarray(glob, np.float32).reshape(1))
     if scheme.kind == "fp8-block":
         q = get(f"{name}.weight", (out, n_in))
         s = get(f"{name}.weight_scale", (math.ceil(out / FP8_BLOCK), math.ceil(n_in / FP8_BLOCK)))
