@@ -42,7 +42,7 @@ from models import quant
 from tasks.evaluate import EvalConfig, Gates, _batches, agreement, perplexity
 from tasks.quantize import CalibrationConfig, calibration_batches, disk_bytes
 
-DEFAULT_SCHEMES = "int8,fp8-block,w4a16-rtn,w4a16-gptq,w4a16-awq,nvfp4a16,mxfp4a16"
+DEFAULT_SCHEMES = "int8,fp8-block,w4a16-rtn,w4a16-gptq,w4a16-awq,nvfp4a16,nvfp4a16-gptq,mxfp4a16"
 INT4_BYTES_AIM = 0.30  # issue 6: int4 weights on disk <= 0.30x their bf16 size
 
 
@@ -105,6 +105,8 @@ def scheme_names(spec: str, group: int) -> list[str]:
 def rtn_peer(name: str) -> str | None:
     """The round-to-nearest scheme with the same bits, group and symmetry as a GPTQ/AWQ scheme; None otherwise."""
     s = quant.parse_scheme(name)
+    if s.kind == "fp4":
+        return None if s.method == "rtn" else f"{s.fp4}a16"
     if s.kind != "int" or s.method == "rtn":
         return None
     g = f"-g{s.group_size}" if s.group_size else ""

@@ -43,12 +43,18 @@ from models.quant.targets import Unit, check_supported, is_quantized, quant_unit
 
 def quantize_matrix(w: np.ndarray, stats: Stats | None, scheme: Scheme, opts: Options,
                     global_scale: np.ndarray | None = None) -> tuple[QMatrix, str]:
-    """w [out, in] float32 -> (QMatrix, the algorithm used: fp8-block, nvfp4, mxfp4, gptq or rtn). GPTQ without
+    """w [out, in] float32 -> (QMatrix, the algorithm used: fp8-block, gptq or rtn). GPTQ without
     calibration tokens falls back to RTN; AWQ's weights arrive already scaled and are rounded by RTN.
     `global_scale`: NVFP4's, shared with the fused siblings (`nvfp4_global_scales`); default: w's own."""
     if scheme.kind == "fp4":
-        t = Q.nvfp4(w, global_scale) if scheme.fp4 == "nvfp4" else Q.mxfp4(w)
-        return QMatrix(t.q.astype(ml_dtypes.float8_e4m3fn), t.scale, None, t.global_scale), scheme.fp4
+        if scheme.method == "gptq" and stats is not None and stats.n > 0:
+            t = Q.gptq_fp4(w, stats.H.astype(np.float32), scheme.fp4, global_scale,
+                           dampening_frac=opts.dampening_frac)
+            how = "gptq"
+        else:
+            t = Q.nvfp4(w, global_scale) if scheme.fp4 == "nvfp4" else Q.mxfp4(w)
+            how = "rtn"
+        return QMatrix(t.q.astype(ml_dtypes.float8_e4m3fn), t.scale, None, t.global_scale), how
     if scheme.kind == "fp8-block":
         q, s = Q.fp8_block(w, (FP8_BLOCK, FP8_BLOCK))
         return QMatrix(np.asarray(q), np.asarray(s, np.float32)), "fp8-block"
@@ -153,7 +159,7 @@ def _quantize_unit(unit: Unit, stats: dict[str, Stats | ExpertStats], scheme: Sc
 
 def _label(name: str, how: str, st: Stats | None, scheme: Scheme, awq_folded: set[str]) -> tuple[str, str | None]:
     """(method, fallback reason or None) for the report."""
-    if scheme.kind in ("fp8-block", "fp4") or scheme.method == "rtn":
+    if scheme.kind == "fp8-block" or scheme.method == "rtn":
         return how, None
     if st is None or st.n <= 0:
         return "rtn", "no calibration tokens reached it: RTN"
@@ -180,7 +186,7 @@ def quantize_model(model: nnx.Module, scheme: Scheme, batches: Sequence[tuple[np
     check_supported(units, scheme)
     globals_ = nvfp4_global_scales(units) if scheme.fp4 == "nvfp4" else None
     if not batches:  # RTN and FP8 need no data (the report then has weight errors only); GPTQ / AWQ do
-        if scheme.kind == "int" and scheme.method != "rtn":
+        if scheme.kind in ("int", "fp4") and scheme.method != "rtn":
             raise ValueError(f"scheme {scheme.name}: {scheme.method.upper()} needs calibration data")
         rows = [r for u in units for r in _quantize_unit(u, {}, scheme, opts, globals_=globals_)]
         model.quant_scheme, model.quant_ignore = scheme, tuple(ignore)

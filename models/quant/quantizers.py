@@ -156,12 +156,15 @@ def rtn(w, args: IntArgs) -> QTensor:
 # ----------------------------------------------------------------------------- GPTQ
 
 
-def _gptq_block(w1, hinv1, col_scale, col_zero, *, dynamic: bool, width: int, qmin: int, qmax: int, symmetric: bool):
+def _gptq_block(w1, hinv1, col_scale, col_zero, gscale=None, *, dynamic: bool, width: int, qmin: int, qmax: int,
+                symmetric: bool, fp4: str | None = None):
     """One lazy batch of GPTQ columns.
 
     w1 [out, B] current weights of the block; hinv1 [B, B] its slice of the upper Cholesky factor of H⁻¹;
     col_scale / col_zero [out, B] per-column params (static mode; ignored when dynamic). In dynamic mode B is a
     multiple of `width` and each group's params are min-max of the current block weights at its first column.
+    `fp4` ("nvfp4" | "mxfp4", dynamic only): the group's FP4 scale instead (`_fp4_group_scale`, NVFP4 with
+    the global scale `gscale`) and E2M1 rounding; the params returned are then (stored scale, unused).
     Returns codes [out, B] (float), scaled errors [out, B], and the dynamic params [out, B // width] each.
     """
     out, b = w1.shape
@@ -173,17 +176,19 @@ def _gptq_block(w1, hinv1, col_scale, col_zero, *, dynamic: bool, width: int, qm
 
             def fresh():
                 blk = lax.dynamic_slice(w1, (0, i), (out, width))  # [out, width]
+                if fp4 is not None:  # (effective scale, stored scale) in the (s, z) slots
+                    return _fp4_group_scale(jnp.max(jnp.abs(blk), axis=1), fp4, gscale)
                 return _params(blk.min(1), blk.max(1), qmin, qmax, symmetric)
 
             s_cur, z_cur = lax.cond(i % width == 0, fresh, lambda: (s_cur, z_cur))
-            g_s = g_s.at[:, i // width].set(s_cur)
+            g_s = g_s.at[:, i // width].set(z_cur if fp4 is not None else s_cur)
             g_z = g_z.at[:, i // width].set(z_cur)
-            s, z = s_cur, z_cur
+            s, z = s_cur, (0.0 if fp4 is not None else z_cur)
         else:
             s, z = col_scale[:, i], col_zero[:, i]
         w = w1[:, i]  # [out]
         d = hinv1[i, i]
-        q = _quant(w, s, z, qmin, qmax)
+        q = _round_e2m1_jnp(_div(w, s)) if fp4 is not None else _quant(w, s, z, qmin, qmax)
         e = _div(w - (q - z) * s, d)  # [out]
         # hinv1 is upper triangular: row i is zero left of i, so already-quantized columns are untouched
         w1 = w1 - e[:, None] * hinv1[i][None, :]
@@ -207,9 +212,9 @@ def _inverse_cholesky(h: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
     return up, jnp.all(jnp.isfinite(low)) & jnp.all(jnp.isfinite(up))
 
 
-@partial(jax.jit, static_argnames=("actorder", "dynamic", "bs", "width", "qmin", "qmax", "symmetric"))
-def _gptq_core(w, h, col_scale, col_zero, damp_frac, *, actorder: bool, dynamic: bool, bs: int, width: int,
-               qmin: int, qmax: int, symmetric: bool):
+@partial(jax.jit, static_argnames=("actorder", "dynamic", "bs", "width", "qmin", "qmax", "symmetric", "fp4"))
+def _gptq_core(w, h, col_scale, col_zero, damp_frac, gscale=None, *, actorder: bool, dynamic: bool, bs: int,
+               width: int, qmin: int, qmax: int, symmetric: bool, fp4: str | None = None):
     """Whole GPTQ pass on w [out, n], h [n, n]; col_scale / col_zero [out, n] static per-column params (unused
     when dynamic). Returns codes [out, n] (float, original order), dynamic params [out, n // width] and ok."""
     out, n = w.shape
@@ -239,8 +244,8 @@ def _gptq_core(w, h, col_scale, col_zero, damp_frac, *, actorder: bool, dynamic:
         hinv1 = lax.dynamic_slice(hinv, (i1, i1), (bs, bs))  # [bs, bs]
         cs = lax.dynamic_slice(col_scale, (0, i1), (out, bs))
         cz = lax.dynamic_slice(col_zero, (0, i1), (out, bs))
-        q1, err1, g_s, g_z = _gptq_block(w1, hinv1, cs, cz, dynamic=dynamic, width=width, qmin=qmin, qmax=qmax,
-                                         symmetric=symmetric)
+        q1, err1, g_s, g_z = _gptq_block(w1, hinv1, cs, cz, gscale, dynamic=dynamic, width=width, qmin=qmin,
+                                         qmax=qmax, symmetric=symmetric, fp4=fp4)
         # lazy-batch update W -= Err1 @ Hinv[i1:i2, :]; Hinv is upper triangular, so earlier columns get 0 and
         # this block's own (already quantized) columns are never read again
         w = w - jnp.matmul(err1, lax.dynamic_slice(hinv, (i1, 0), (bs, nb * bs)), precision=_HI)
@@ -527,3 +532,59 @@ def dequantize_fp4(q, scale, global_scale=None) -> np.ndarray:
         s = s / np.asarray(global_scale, np.float32).reshape(())
     out, n = qf.shape
     return (qf.reshape(out, s.shape[1], -1) * s[:, :, None]).reshape(out, n)
+
+
+# ----------------------------------------------------------------------------- GPTQ with FP4 groups
+
+
+def _round_e2m1_jnp(x: jnp.ndarray) -> jnp.ndarray:
+    """`round_e2m1` in JAX (inside GPTQ's loop): x -> the nearest E2M1 value within ±6, ties to even."""
+    a = jnp.abs(jnp.clip(x, -FP4_MAX, FP4_MAX))
+    r = jnp.select([a <= 0.25, a < 0.75, a <= 1.25, a < 1.75, a <= 2.5, a < 3.5, a <= 5.0],
+                   [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0], 6.0).astype(jnp.float32)
+    return jnp.where(x < 0, -r, r)
+
+
+def _fp4_group_scale(amax: jnp.ndarray, fp4: str, gscale) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """Per-row group amax [out] -> (effective scale [out], stored scale [out]): NVFP4 stores
+    e4m3(g · amax / 6) and divides by g; MXFP4 stores and uses 2^(code − 127). In XLA subnormal floats flush
+    to zero, so the MXFP4 code is at least 1 here (2^-126 instead of 2^-127 for an all-zero group, whose
+    codes are 0 either way); `mxfp4` (numpy) keeps 0."""
+    if fp4 == "nvfp4":
+        s = jnp.clip(gscale * _div(amax, jnp.float32(FP4_MAX)), -FP8_MAX, FP8_MAX)
+        s = s.astype(jnp.float8_e4m3fn).astype(jnp.float32)
+        s = jnp.where(s == 0, jnp.float32(FP8_EPS), s)
+        return _div(s, gscale), s
+    bits = lax.bitcast_convert_type(amax, jnp.int32)
+    code = jnp.clip((((bits + (1 << 21)) & (0xFF << 23)) >> 23) - 2, 1, 255)
+    s = lax.bitcast_convert_type((code << 23).astype(jnp.int32), jnp.float32)
+    return s, s
+
+
+def gptq_fp4(w, H, fmt: str, global_scale=None, *, dampening_frac: float = 0.01, block_size: int = 128
+             ) -> FP4Tensor:
+    """GPTQ with FP4 groups (`fmt` "nvfp4" | "mxfp4"): as `gptq` with dynamic groups, each group's scale
+    computed from the error-updated weights when the loop reaches its first column, codes rounded to E2M1
+    (llm-compressor's GPTQ with an NVFP4 / MXFP4 scheme does the same). `global_scale` [1] (NVFP4):
+    shared by fused projections; default: from w. Raises ValueError when the damped Hessian is not
+    positive definite."""
+    t = _groups(w, fmt)  # validates the shape and the group size
+    w = _f32(t.reshape(t.shape[0], -1))
+    out, n = w.shape
+    h = _f32(H)
+    if h.shape != (n, n):
+        raise ValueError(f"H must be [in, in] = [{n}, {n}], got {tuple(h.shape)}")
+    width = FP4_GROUP[fmt]
+    g = None
+    if fmt == "nvfp4":
+        g = nvfp4_global_scale(np.abs(t).max(initial=0.0)) if global_scale is None \
+            else np.asarray(global_scale, np.float32).reshape(1)
+    bs = min(max(width, (block_size // width) * width), max(n, width))
+    zeros = jnp.zeros((out, n), jnp.float32)  # static per-column params: unused in dynamic mode
+    q, g_s, _, ok = _gptq_core(w, h, zeros, zeros, jnp.float32(dampening_frac),
+                               None if g is None else jnp.float32(g[0]), actorder=False, dynamic=True, bs=bs,
+                               width=width, qmin=0, qmax=0, symmetric=True, fp4=fmt)
+    if not bool(ok):
+        raise ValueError("GPTQ: Cholesky of the damped Hessian failed (H is not positive definite); increase "
+                         "dampening_frac or use more / more varied calibration samples")
+    return FP4Tensor(np.asarray(q, np.float32), np.asarray(g_s, np.float32), g)

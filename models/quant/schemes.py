@@ -11,9 +11,9 @@ Schemes (names are also the artifact folders and the eval report keys):
                                     columns by descending Hessian diagonal with static groups (compressed-tensors
                                     `actorder: weight`, which needs no g_idx on disk)
   fp8-block                         FP8 e4m3 weights, one scale per 128x128 tile (DeepSeek-V3's format)
-  nvfp4a16                          FP4 (E2M1) weights, an FP8-E4M3 scale per 16 values and a float32 global
-                                    scale per tensor (shared by fused q/k/v and gate/up), round-to-nearest
-  mxfp4a16                          FP4 (E2M1) weights, a power-of-two (E8M0) scale per 32 values (OCP MX)
+  nvfp4a16[-gptq]                   FP4 (E2M1) weights, an FP8-E4M3 scale per 16 values and a float32 global
+                                    scale per tensor (shared by fused q/k/v and gate/up); RTN, or GPTQ
+  mxfp4a16[-gptq]                   FP4 (E2M1) weights, a power-of-two (E8M0) scale per 32 values (OCP MX)
 
 The int schemes are compressed-tensors' weight-only presets W8A16, W4A16 and W4A16_ASYM with a free group
 size, fp8-block its FP8_BLOCK preset and nvfp4a16 / mxfp4a16 its NVFP4A16 / MXFP4A16 presets (compressed-tensors
@@ -31,6 +31,7 @@ import re
 FP8_BLOCK = 128  # fp8-block: one scale per FP8_BLOCK x FP8_BLOCK tile
 FP4_GROUP = {"nvfp4": 16, "mxfp4": 32}  # values per scale of the FP4 formats
 
+FP4_RE = re.compile(r"(?P<fmt>nvfp4|mxfp4)a16(?P<gptq>-gptq)?")
 SCHEME_RE = re.compile(r"(?P<w>w4a16|w8a16)(?P<asym>-asym)?-(?P<method>rtn|gptq|awq)(?P<act>-actorder)?"
                        r"(?:-g(?P<group>\d+))?")
 
@@ -85,12 +86,11 @@ def parse_scheme(name: str) -> Scheme:
         return Scheme("int8", "int", 8, None, True, "rtn")
     if name == "fp8-block":
         return Scheme("fp8-block", "fp8-block", 8)
-    if name in ("nvfp4a16", "mxfp4a16"):
-        fmt = name[:5]
-        return Scheme(name, "fp4", 4, FP4_GROUP[fmt], True, "rtn", fp4=fmt)
+    if m := FP4_RE.fullmatch(name):
+        return Scheme(name, "fp4", 4, FP4_GROUP[m["fmt"]], True, "gptq" if m["gptq"] else "rtn", fp4=m["fmt"])
     m = SCHEME_RE.fullmatch(name)
     if m is None:
-        raise ValueError(f"unknown quantization scheme {name!r} (known: int8, fp8-block, nvfp4a16, mxfp4a16, "
+        raise ValueError(f"unknown quantization scheme {name!r} (known: int8, fp8-block, nvfp4a16|mxfp4a16[-gptq], "
                          "w4a16|w8a16[-asym]-rtn|gptq|awq[-actorder][-g<N>], e.g. w4a16-gptq, w4a16-asym-awq-g64)")
     bits = 4 if m["w"] == "w4a16" else 8
     group = int(m["group"]) if m["group"] else (128 if bits == 4 else None)

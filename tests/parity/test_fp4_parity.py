@@ -135,12 +135,19 @@ def bf16_rounded(model):
     return copy
 
 
-@pytest.mark.parametrize("scheme", ["nvfp4a16", "mxfp4a16"])
+def calibration(n: int = 2, b: int = 2, t: int = 32) -> list[tuple[np.ndarray, np.ndarray]]:
+    rng = np.random.default_rng(1)
+    return [(rng.integers(0, V, (b, t)).astype(np.int32), np.ones((b, t), np.int32)) for _ in range(n)]
+
+
+@pytest.mark.parametrize("scheme", ["nvfp4a16", "mxfp4a16", "nvfp4a16-gptq"])
 def test_dense_export_decompresses_bit_for_bit_and_loads_in_transformers(checkpoint, tmp_path, scheme):
     path, float_logits = checkpoint("llama")
     model = from_pretrained(path)
-    report = quantize_model(model, parse_scheme(scheme), [])
-    assert {r["method"] for r in report["modules"]} == {scheme[:5]}
+    gptq = scheme.endswith("-gptq")
+    report = quantize_model(model, parse_scheme(scheme), calibration() if gptq else [])
+    assert {r["method"] for r in report["modules"]} == {"gptq" if gptq else "rtn"}
+    scheme = scheme.removesuffix("-gptq")  # the same format on disk
     out = str(tmp_path / scheme)
     save_pretrained(model, out)
 
@@ -163,6 +170,8 @@ def test_dense_export_decompresses_bit_for_bit_and_loads_in_transformers(checkpo
         np.testing.assert_array_equal(got.float().numpy(), mine.astype(jnp.bfloat16).astype(np.float32))
         if scheme == "mxfp4a16":  # exact in bf16: the decompressed weight is ours without rounding
             np.testing.assert_array_equal(got.float().numpy(), mine)
+        if gptq:  # GPTQ's codes are not the float weight's nearest: compress's packing is checked by RTN
+            continue
         # compressed-tensors' own compress of the float weight with our scales packs the same bytes
         float_w = torch.from_numpy(np.ascontiguousarray(np.asarray(floats[name].weight()).T))  # [out, in]
         scale = torch.from_numpy(np.asarray(lin.scale[...], np.float32).T.copy())

@@ -59,6 +59,13 @@ def test_scheme_names():
     assert (s.group_size, s.symmetric, s.actorder) == (64, False, True)
     assert quant.parse_scheme("w8a16-rtn").group_size is None and quant.parse_scheme("int8").bits == 8
     assert quant.parse_scheme("fp8-block").kind == "fp8-block"
+    s = quant.parse_scheme("nvfp4a16-gptq")
+    assert (s.kind, s.bits, s.group_size, s.method, s.fp4) == ("fp4", 4, 16, "gptq", "nvfp4")
+    s = quant.parse_scheme("mxfp4a16")
+    assert (s.kind, s.group_size, s.method, s.fp4) == ("fp4", 32, "rtn", "mxfp4")
+    for bad in ("nvfp4a16-awq", "mxfp4", "nvfp4a16-g32"):  # no AWQ, no activation scheme yet, fixed groups
+        with pytest.raises(ValueError, match="unknown quantization scheme"):
+            quant.parse_scheme(bad)
     with pytest.raises(ValueError, match="unknown quantization scheme 'w3a16-gptq'"):
         quant.parse_scheme("w3a16-gptq")
     with pytest.raises(ValueError, match="-actorder applies to GPTQ only"):
