@@ -13,9 +13,11 @@ The float model is loaded once and its held-out perplexity measured on data_prep
 (tasks/evaluate.py `_batches`: the same batches for every row). Each scheme then quantizes a fresh copy of
 the float model exactly as the quantize stage does (tasks/quantize.py: `calibration_batches` from the train
 split, `models.quant.quantize_model`, `disk_bytes`), and is measured against the float model: perplexity
-and its increase, KL(float || quantized) and top-1 agreement over the same loss positions, bytes of the
-quantized weights (codes, scales, zero points as compressed-tensors writes them) vs the same weights in
-bf16, and the quantization time (calibration forwards + quantization, compile included).
+and its increase, KL(float || quantized) per loss position (mean, p99, max) and the top-1 flip rate over
+the same positions, bytes of the quantized weights (codes, scales, zero points as compressed-tensors writes
+them) vs the same weights in bf16 and of the whole checkpoint (every tensor, embeddings and LM head
+included, float tensors at bf16) vs the whole checkpoint in bf16, and the quantization time (calibration
+forwards + quantization, compile included).
 
 Peer ratio: each GPTQ / AWQ row is divided by the round-to-nearest row with the same bits, group and
 symmetry measured in the same run (`vs RTN` = its perplexity increase / RTN's); when that RTN scheme is not
@@ -213,6 +215,7 @@ def main(argv: list[str] | None = None) -> None:
             "scheme": name, "perplexity": ppl, "perplexity_increase": ppl / ppl_float - 1,
             **agreement(float_model, model, batches), **sizes,
             "bytes_ratio_vs_bf16": sizes["quantized_weight_bytes"] / sizes["bf16_weight_bytes"],
+            "checkpoint_bytes_ratio_vs_bf16": sizes["checkpoint_bytes"] / sizes["bf16_checkpoint_bytes"],
             "quant_seconds": wall, "quantize_model_seconds": report["seconds"],
             "calibration_tokens": report["calibration_tokens"], "rtn_peer": rtn_peer(name),
         }
@@ -220,9 +223,10 @@ def main(argv: list[str] | None = None) -> None:
               file=sys.stderr, flush=True)
 
     gates = Gates()
-    header = ("| scheme | perplexity | Δppl vs float | KL | top-1 | bytes vs bf16 | quant time (s) | vs RTN "
-              "| aim | meets aim |")
-    lines = [header, "|---" * 10 + "|", f"| float | {ppl_float:.4f} | — | — | — | 1.000x | — | — | — | — |"]
+    header = ("| scheme | perplexity | Δppl vs float | KL mean | KL p99 | KL max | top-1 flips | bytes vs bf16 "
+              "| checkpoint vs bf16 | quant time (s) | vs RTN | aim | meets aim |")
+    lines = [header, "|---" * 13 + "|",
+             f"| float | {ppl_float:.4f} | — | — | — | — | — | 1.000x | 1.000x | — | — | — | — |"]
     for name, r in rows.items():
         peer = rows.get(r["rtn_peer"]) if r["rtn_peer"] else None
         if peer is None:
@@ -234,8 +238,9 @@ def main(argv: list[str] | None = None) -> None:
             vs = f"{r['vs_rtn']:.2f}"
         r["aim"], r["meets_aim"] = aim(r, rows, gates)
         lines.append(f"| {name} | {r['perplexity']:.4f} | {_fmt_pct(r['perplexity_increase'])} | {r['kl']:.2e} "
-                     f"| {100 * r['top1_agreement']:.2f}% | {r['bytes_ratio_vs_bf16']:.3f}x | {r['quant_seconds']:.1f} "
-                     f"| {vs} | {r['aim']} | {'yes' if r['meets_aim'] else '**NO**'} |")
+                     f"| {r['kl_p99']:.2e} | {r['kl_max']:.2e} | {100 * r['top1_flip_rate']:.2f}% "
+                     f"| {r['bytes_ratio_vs_bf16']:.3f}x | {r['checkpoint_bytes_ratio_vs_bf16']:.3f}x "
+                     f"| {r['quant_seconds']:.1f} | {vs} | {r['aim']} | {'yes' if r['meets_aim'] else '**NO**'} |")
     print("\n".join(lines))
     if a.out:
         a.out.write_text(json.dumps({"setup": setup, "float_perplexity": ppl_float, "rows": list(rows.values())},

@@ -225,8 +225,9 @@ def _check_quantize(cfg) -> None:
     from tasks.base_model import shape_config
     from tasks.quantize import check_fits
 
-    for scheme in cfg.quantize.schemes:  # every shipped scheme needs a gate limit (else evaluate fails at the end)
-        cfg.evaluate.gates.quant_limit(scheme)
+    for scheme in cfg.quantize.schemes:  # every shipped scheme needs its gate limits (else evaluate fails at the end)
+        for gate in cfg.evaluate.gates.QUANT_GATES:
+            cfg.evaluate.gates.quant_limit(scheme, gate)
     if cfg.base.url is None:
         config, model_cls = shape_config(cfg.base.model, vocab_size=8), families.family(cfg.base.model.architecture)[1]
     else:

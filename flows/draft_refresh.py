@@ -80,7 +80,8 @@ def draft_refresh(recipe: str = "tiny", overrides: list[str] | None = None, stor
     eval_cfg = EvalConfig(**{**cfg.evaluate.model_dump(), "spec_target": cfg.serve, "spec_temperatures": [0.0],
                            "serve_temperature": 0.0, "spec_tree": False, "declared_gates": None, "drafts": [name],
                            "gates": Gates(finetune_improves=False, min_acceptance_length=0.0,
-                                          max_quant_ppl_increase=1e9)})
+                                          max_quant_ppl_increase=1e9, max_quant_kl_p99=1e9,
+                                          max_quant_flip_rate=1e9)})
     eval_inputs = {"finetune": finetuned, "data": data} | ({"quant": refs["quant"]} if cfg.serve != "finetuned" else {})
     evals = {name: stages.run(f"evaluate[{name}]", "evaluate", eval_cfg, eval_inputs | {"draft": d})
              for name, d in (("current", current), ("candidate", candidate))}

@@ -87,18 +87,25 @@ def perplexity(model: nnx.Module, batches: list[dict[str, np.ndarray]]) -> float
 
 
 def agreement(reference: nnx.Module, other: nnx.Module, batches: list[dict[str, np.ndarray]]) -> dict[str, float]:
-    """Mean token-level KL(reference || other) and top-1 agreement over the loss positions."""
+    """Token-level KL(reference || other) over the loss positions - its mean, 99th percentile and maximum
+    (a mean can hide the few tokens whose answers change) - and top-1 agreement with its complement, the
+    flip rate: the share of positions whose greedy token differs (Dutta et al. 2024, "Accuracy is not all
+    you need", arXiv:2407.09141)."""
     f_ref, f_other = _logits_fn(reference), _logits_fn(other)
-    kl_sum, agree, count = 0.0, 0.0, 0.0
+    kls, flips = [], []
     for b in batches:
         lp = jax.nn.log_softmax(f_ref(b).astype(jnp.float32), -1)  # [B, T, V]
         lq = jax.nn.log_softmax(f_other(b).astype(jnp.float32), -1)
-        mask = b["loss_mask"].astype(np.float32)
-        kl = (jnp.exp(lp) * (lp - lq)).sum(-1)  # [B, T]
-        kl_sum += float((kl * mask).sum())
-        agree += float(((lp.argmax(-1) == lq.argmax(-1)) * mask).sum())
-        count += float(mask.sum())
-    return {"kl": kl_sum / max(count, 1.0), "top1_agreement": agree / max(count, 1.0)}
+        mask = np.asarray(b["loss_mask"]) > 0  # [B, T]
+        kl = np.asarray((jnp.exp(lp) * (lp - lq)).sum(-1))  # [B, T]
+        kls.append(kl[mask])
+        flips.append(np.asarray(lp.argmax(-1) != lq.argmax(-1))[mask])
+    kl, flip = np.concatenate(kls), np.concatenate(flips)
+    if kl.size == 0:
+        raise ValueError("evaluate: no loss positions in the held-out batches")
+    flip_rate = float(flip.mean())
+    return {"kl": float(kl.mean()), "kl_p99": float(np.percentile(kl, 99)), "kl_max": float(kl.max()),
+            "top1_agreement": 1.0 - flip_rate, "top1_flip_rate": flip_rate, "positions": int(kl.size)}
 
 
 # -- speculative decoding --------------------------------------------------------------------------
@@ -286,11 +293,16 @@ def gates(report: dict[str, Any], g: Gates) -> list[dict[str, Any]]:
     if g.finetune_improves and "base" in ppl:
         out.append({"gate": "finetuned perplexity < base perplexity", "value": ppl["finetuned"],
                     "threshold": ppl["base"], "passed": ppl["finetuned"] < ppl["base"]})
-    for scheme in report["quantization"]:
+    for scheme, q in report["quantization"].items():
         inc = g.quant_limit(scheme)
         limit = ppl["finetuned"] * (1 + inc)
         out.append({"gate": f"{scheme} perplexity <= finetuned x {1 + inc:g}",
                     "value": ppl[scheme], "threshold": limit, "passed": ppl[scheme] <= limit})
+        for gate, key, what in (("max_quant_kl_p99", "kl_p99", "KL p99"),
+                                ("max_quant_flip_rate", "top1_flip_rate", "top-1 flip rate")):
+            limit = g.quant_limit(scheme, gate)
+            out.append({"gate": f"{scheme} {what} <= {limit:g}", "value": q[key], "threshold": limit,
+                        "passed": q[key] <= limit})
     if "draft" in report:
         d = report["draft"]
         if g.speculative_lossless:
@@ -324,13 +336,18 @@ def markdown(report: dict[str, Any]) -> str:
     lines += [f"| {k} | {v:.3f} |" for k, v in ppl.items()]
     if report["quantization"]:
         lines += ["", "## Quantization (vs fine-tuned)", "",
-                  "| scheme | perplexity | increase | KL | top-1 agreement | weight bytes vs bf16 | quantize time |",
-                  "|---|---|---|---|---|---|---|"]
+                  "KL(fine-tuned ‖ quantized) per held-out loss position (mean, 99th percentile, max) and the top-1 "
+                  "flip rate (positions whose greedy token changes); bytes: the quantized modules, and the whole "
+                  "checkpoint (every tensor; the float ones at bf16), each vs bf16.", "",
+                  "| scheme | perplexity | increase | KL mean | KL p99 | KL max | top-1 flips | quantized weights "
+                  "vs bf16 | checkpoint vs bf16 | quantize time |", "|---" * 10 + "|"]
         for s, q in report["quantization"].items():
-            ratio = q.get("weight_bytes_ratio_vs_bf16")
+            ratio, whole = q.get("weight_bytes_ratio_vs_bf16"), q.get("checkpoint_bytes_ratio_vs_bf16")
             secs = q.get("quantize_seconds")
             lines.append(f"| {s} | {q['perplexity']:.4f} | {100 * q['perplexity_increase']:+.3f}% | {q['kl']:.5f} "
-                         f"| {q['top1_agreement']:.4f} | {'n/a' if ratio is None else f'{ratio:.3f}x'} "
+                         f"| {q['kl_p99']:.5f} | {q['kl_max']:.4f} | {100 * q['top1_flip_rate']:.2f}% "
+                         f"| {'n/a' if ratio is None else f'{ratio:.3f}x'} "
+                         f"| {'n/a' if whole is None else f'{whole:.3f}x'} "
                          f"| {'n/a' if secs is None else f'{secs:.1f} s'} |")
     if report.get("drafts"):
         chosen = report["draft"]["name"]
@@ -404,8 +421,8 @@ def evaluate(cfg: EvalConfig, *, base: Path | None, finetuned: Path, quantized: 
         report["quantization"][scheme] = {
             "perplexity": p, "perplexity_increase": p / report["perplexity"]["finetuned"] - 1,
             **agreement(target, qmodel, batches),
-            **{k: made[k] for k in ("weight_bytes_ratio_vs_bf16", "mean_output_error", "calibration_tokens")
-               if k in made},
+            **{k: made[k] for k in ("weight_bytes_ratio_vs_bf16", "checkpoint_bytes_ratio_vs_bf16",
+                                    "mean_output_error", "calibration_tokens") if k in made},
             **({"quantize_seconds": made["seconds"]} if "seconds" in made else {}),
         }
     eos = json.loads((finetuned / "config.json").read_text()).get("eos_token_id")

@@ -23,10 +23,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import jax
 import numpy as np
+from flax import nnx
 
 import models
 from models import quant
+from models.layers import Buffer
 from tasks.cli import PATH, stage_main
 from tasks.configs import CalibrationConfig, QuantizeConfig
 from tasks.layout import model_dir
@@ -65,11 +68,17 @@ def calibration_batches(data_dir: Path, cfg: CalibrationConfig) -> list[tuple[np
 
 
 def disk_bytes(model: Any, scheme: quant.Scheme) -> dict[str, int]:
-    """Bytes the quantized modules take on disk (codes, scales, zero points) vs the same weights in bf16."""
+    """Bytes the quantized modules take on disk (codes, scales, zero points, global scales) vs the same weights
+    in bf16; and the whole checkpoint's - every tensor, embeddings, LM head, norms, routers, biases and
+    ignored modules included, those float tensors counted at bf16 (2 bytes) as a server holds them - vs the
+    whole checkpoint in bf16."""
     _, tensors = quant.to_compressed_tensors(model, scheme)
     quantized = sum(t.nbytes for n, t in tensors.items() if not n.endswith(".bias"))
     bf16 = sum(2 * int(np.prod(qm.q.shape)) for _, qm, _ in quant.iter_qmatrices(model))
-    return {"quantized_weight_bytes": quantized, "bf16_weight_bytes": bf16}
+    rest = 2 * sum(int(x.size) for x in jax.tree.leaves(
+        nnx.state(model, nnx.Any(nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam)), Buffer))))  # every float tensor left
+    return {"quantized_weight_bytes": quantized, "bf16_weight_bytes": bf16,
+            "checkpoint_bytes": quantized + rest, "bf16_checkpoint_bytes": bf16 + rest}
 
 
 def error_plot_svg(rows: list[dict[str, Any]], title: str) -> str:
@@ -127,6 +136,7 @@ def quantize(cfg: QuantizeConfig, model_path: Path, data_dir: Path, out_dir: Pat
             "calibration_tokens": report["calibration_tokens"],
             **sizes,
             "weight_bytes_ratio_vs_bf16": sizes["quantized_weight_bytes"] / sizes["bf16_weight_bytes"],
+            "checkpoint_bytes_ratio_vs_bf16": sizes["checkpoint_bytes"] / sizes["bf16_checkpoint_bytes"],
             "float_model_bytes": float_bytes,
             "mean_output_error": float(np.mean(errors)),
             "max_output_error": float(np.max(errors)),

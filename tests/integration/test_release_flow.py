@@ -71,8 +71,11 @@ def test_report_schema_and_gates(released):
     for scheme, bytes_ratio in (("int8", 0.55), ("w4a16-gptq-g64", 0.30)):
         q = report["quantization"][scheme]
         assert q["perplexity"] == ppl[scheme] and q["perplexity_increase"] == ppl[scheme] / ppl["finetuned"] - 1
-        assert q["kl"] >= 0 and 0.9 <= q["top1_agreement"] <= 1
+        assert q["kl"] >= 0 and 0.9 <= q["top1_agreement"] <= 1 and q["top1_flip_rate"] == 1 - q["top1_agreement"]
+        assert q["positions"] > 0 and q["kl_max"] < 1
         assert q["weight_bytes_ratio_vs_bf16"] < bytes_ratio and "quantize_seconds" not in q
+        # the whole checkpoint (embeddings, head and norms at bf16) shrinks less than the quantized Linears
+        assert q["weight_bytes_ratio_vs_bf16"] < q["checkpoint_bytes_ratio_vs_bf16"] < 1
         assert q["calibration_tokens"] >= 2048  # calibration.min_tokens
     # the int4 variant is compressed-tensors W4A16 (groups of 64), as transformers and vLLM read it
     config = json.loads(storage.read_bytes(storage.join(url, "quantized/w4a16-gptq-g64/config.json")))
@@ -81,6 +84,9 @@ def test_report_schema_and_gates(released):
     assert qc["format"] == "pack-quantized" and (w["num_bits"], w["group_size"], w["strategy"]) == (4, 64, "group")
     made = json.loads(storage.read_bytes(storage.join(url, "quantized/w4a16-gptq-g64/quantization_report.json")))
     assert {r["method"] for r in made["modules"]} == {"gptq"} and len(made["modules"]) == 2 * 7
+    judged = {g["gate"] for g in report["gates"]}  # the flipped-answer gates judge every shipped scheme
+    assert {f"{s} {what}" for s in ("int8", "w4a16-gptq-g64") for what in ("KL p99", "top-1 flip rate")} <= \
+        {g.rsplit(" <= ", 1)[0] for g in judged}
     d = report["draft"]
     # the declared floor (2.0 at k=5) is met: the draft learned the target, it does not just decode losslessly
     floor = load_recipe(SMOKE).evaluate.gates.min_acceptance_length

@@ -17,7 +17,8 @@ pytestmark = pytest.mark.unit
 
 
 def _report(ft=10.0, q=10.04, lossless=True, acc=3.2):
-    return {"perplexity": {"base": 12.0, "finetuned": ft, "int8": q}, "quantization": {"int8": {}},
+    return {"perplexity": {"base": 12.0, "finetuned": ft, "int8": q},
+            "quantization": {"int8": {"kl_p99": 1e-4, "top1_flip_rate": 0.003}},
             "draft": {"lossless": lossless, "mismatched_rows": 0 if lossless else 1, "acceptance_length": acc,
                       "runs": {}, "name": "eagle3"}}
 

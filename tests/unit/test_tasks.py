@@ -247,7 +247,7 @@ def test_pack_masks_prompt_and_restarts_positions():
 
 def _report(ft=10.0, q=10.04, lossless=True, acc=2.0):
     return {"perplexity": {"base": 12.0, "finetuned": ft, "int8": q},
-            "quantization": {"int8": {}},
+            "quantization": {"int8": {"kl_p99": 1e-4, "top1_flip_rate": 0.003}},
             "draft": {"lossless": lossless, "mismatched_rows": 0 if lossless else 1, "acceptance_length": acc}}
 
 
@@ -259,16 +259,37 @@ def test_gates():
 
 def test_quant_gates_per_scheme():
     """Limits by scheme name, then by family (the name's first part); a scheme without a limit is an error."""
+    fine = {"kl_p99": 1e-4, "top1_flip_rate": 0.001}
     report = {"perplexity": {"finetuned": 10.0, "int8": 10.08, "w4a16-gptq-g64": 10.15, "fp8-block": 10.02},
-              "quantization": {"int8": {}, "w4a16-gptq-g64": {}, "fp8-block": {}}}
-    passed = {g["gate"].split()[0]: g["passed"] for g in gates(report, Gates())}
-    assert passed == {"int8": False, "w4a16-gptq-g64": True, "fp8-block": True}  # 0.5% / 2% / 0.3%
+              "quantization": {"int8": fine, "w4a16-gptq-g64": fine, "fp8-block": fine}}
+
+    def ppl_passed(g: Gates) -> dict[str, bool]:
+        return {x["gate"].split()[0]: x["passed"] for x in gates(report, g) if "perplexity" in x["gate"]}
+
+    assert ppl_passed(Gates()) == {"int8": False, "w4a16-gptq-g64": True, "fp8-block": True}  # 0.5% / 2% / 0.3%
     loose = Gates(max_quant_ppl_increase={"int8": 0.01, "w4a16-gptq-g64": 0.01, "fp8": 0.003})
-    passed = {g["gate"].split()[0]: g["passed"] for g in gates(report, loose)}
-    assert passed == {"int8": True, "w4a16-gptq-g64": False, "fp8-block": True}
+    assert ppl_passed(loose) == {"int8": True, "w4a16-gptq-g64": False, "fp8-block": True}
     assert all(g["passed"] for g in gates(report, Gates(max_quant_ppl_increase=0.02)))
     with pytest.raises(ValueError, match="no limit for scheme 'w4a16-gptq-g64'"):
         gates(report, Gates(max_quant_ppl_increase={"int8": 0.01}))
+
+
+def test_kl_tail_and_flip_gates_see_changed_answers_perplexity_hides():
+    """A scheme whose perplexity barely moves can still flip answers: the KL p99 and flip-rate gates fail it,
+    keyed by scheme and family like the perplexity gate; loosening one is a waiver."""
+    report = {"perplexity": {"finetuned": 10.0, "int8": 10.001, "w4a16-gptq-g64": 10.01},
+              "quantization": {"int8": {"kl_p99": 0.004, "top1_flip_rate": 0.01},  # 8-bit: KL p99 > 0.002
+                               "w4a16-gptq-g64": {"kl_p99": 0.01, "top1_flip_rate": 0.15}}}  # 4-bit: flips > 10 %
+    judged = {g["gate"]: g["passed"] for g in gates(report, Gates())}
+    assert judged == {"int8 perplexity <= finetuned x 1.005": True, "int8 KL p99 <= 0.002": False,
+                      "int8 top-1 flip rate <= 0.02": True, "w4a16-gptq-g64 perplexity <= finetuned x 1.02": True,
+                      "w4a16-gptq-g64 KL p99 <= 0.025": True, "w4a16-gptq-g64 top-1 flip rate <= 0.1": False}
+    loose = Gates(max_quant_kl_p99=0.01, max_quant_flip_rate={"int8": 0.02, "w4a16": 0.2})
+    assert all(g["passed"] for g in gates(report, loose))
+    waived = {w["gate"] for w in loose.waivers(Gates(), list(report["quantization"]))}
+    assert waived == {"evaluate.gates.max_quant_kl_p99[int8]", "evaluate.gates.max_quant_flip_rate[w4a16-gptq-g64]"}
+    with pytest.raises(ValueError, match="max_quant_flip_rate has no limit for scheme 'int8'"):
+        gates(report, Gates(max_quant_flip_rate={"w4a16": 0.1}))
 
 
 def test_export_refuses_failed_gates(tmp_path):
