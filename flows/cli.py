@@ -7,6 +7,7 @@
     forgeline worker [--pool forgeline-gpu] [--limit 1]
     forgeline stack up|env|down [--dir .forgeline-stack]
     forgeline plan MODEL --mode lora|full --seq-len T --global-batch B --devices N --device-memory GIB [--json]
+    forgeline quantize-checkpoint SRC --scheme S --out DST [--ignore MODULE ...]
 
 Without PREFECT_API_URL, Prefect runs an ephemeral server for the command's lifetime; with it, runs
 appear on that server's UI. Every failure is one `error:` line on stderr and a non-zero exit (2 for a
@@ -527,6 +528,59 @@ def jobset(stage: Annotated[str, typer.Option(help="the stage (resources.<stage>
     except (ConfigError, ValueError) as e:
         _fail(_first_line(e), 2)
     print(yaml.safe_dump(body, sort_keys=False, width=120), end="")
+
+
+@app.command("quantize-checkpoint")
+def quantize_checkpoint(
+    src: Annotated[str, typer.Argument(help="a safetensors checkpoint: folder or URL (s3://...)")],
+    scheme: Annotated[str, typer.Option(help="int8, w4a16-rtn[-g<N>], w8a16-rtn, fp8-block, nvfp4a16, mxfp4a16")],
+    out: Annotated[str, typer.Option(help="where the quantized checkpoint goes (folder or URL; must not exist)")],
+    ignore: Annotated[list[str] | None, typer.Option("--ignore", help="modules left in float: HF names or "
+                                                     "re:<regex> (repeatable)")] = None,
+) -> None:
+    """Quantize a checkpoint tensor by tensor, without building the model (round-to-nearest; memory: about one
+    tensor), into compressed-tensors' layout. Published FP8 (DeepSeek) and MXFP4 (GPT-OSS) sources are read
+    dequantized. Nothing is left at --out unless the whole checkpoint is written."""
+    import storage
+    from models.quant import parse_scheme
+    from models.quant.streaming import quantize_checkpoint as run
+    from tasks.stage import Interrupted, received
+
+    _log_to_stderr()
+    try:
+        parsed = parse_scheme(scheme)
+    except ValueError as e:
+        _fail(f"--scheme: {e}", 2)
+    for flag, url in (("SRC", src), ("--out", out)):
+        try:
+            storage.normalize_url(url)
+        except storage.StorageKeyError as e:
+            _fail(f"{flag}: {e}", 2)
+    previous = {s: signal.signal(s, _on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        report = run(src, out, parsed, ignore=tuple(ignore or ()),
+                     progress=lambda line: (_raise_if_signalled(), logging.getLogger("forgeline").info(line)))
+    except BaseException as e:
+        if received() is not None or isinstance(e, Interrupted | KeyboardInterrupt):
+            signum = received() or signal.SIGINT
+            _fail(f"interrupted by {signal.Signals(signum).name}: nothing was left at {out}", 128 + signum)
+        if isinstance(e, ValueError | FileNotFoundError | PermissionError | storage.StoreUnavailable
+                      | storage.StorageKeyError):
+            _fail(_first_line(e))
+        if isinstance(e, Exception):
+            _fail(f"{type(e).__name__}: {_first_line(e)} (traceback: {_save_traceback(e)})")
+        raise
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    print(f"{out}: {parsed.name}, {report['quantized']} weights quantized, {report['copied']} tensors copied, "
+          f"{report['bytes_written'] / 2**20:.1f} MiB of safetensors in {report['seconds']:.1f}s")
+
+
+def _raise_if_signalled() -> None:
+    from tasks.stage import raise_if_interrupted
+
+    raise_if_interrupted()
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True,

@@ -152,6 +152,27 @@ def _tensors_raw(name: str, qm: QMatrix, scheme: Scheme, scale_dtype: Any) -> di
     return out
 
 
+def tensor_specs(name: str, out: int, n_in: int, scheme: Scheme, scale_dtype: Any) -> list[tuple[str, tuple, Any]]:
+    """(tensor name, shape, numpy dtype) of what `_tensors_for` writes for one [out, in] weight, in its order,
+    from the shape alone (streaming quantization plans a file's header before any tensor is computed)."""
+    if scheme.kind == "fp4":
+        nv = scheme.fp4 == "nvfp4"
+        specs = [(f"{name}.weight_packed", (out, n_in // 2), np.dtype(np.uint8)),
+                 (f"{name}.weight_scale", (out, scheme.groups(n_in)),
+                  np.dtype(ml_dtypes.float8_e4m3fn) if nv else np.dtype(np.uint8))]
+        return specs + ([(f"{name}.weight_global_scale", (1,), np.dtype(np.float32))] if nv else [])
+    if scheme.kind == "fp8-block":
+        return [(f"{name}.weight", (out, n_in), np.dtype(ml_dtypes.float8_e4m3fn)),
+                (f"{name}.weight_scale", (math.ceil(out / FP8_BLOCK), math.ceil(n_in / FP8_BLOCK)),
+                 np.dtype(scale_dtype))]
+    per, G = 32 // scheme.bits, scheme.groups(n_in)
+    specs = [(f"{name}.weight_packed", (out, -(-n_in // per)), np.dtype(np.int32)),
+             (f"{name}.weight_scale", (out, G), np.dtype(scale_dtype)),
+             (f"{name}.weight_shape", (2,), np.dtype(np.int32))]
+    return specs + ([] if scheme.symmetric else [(f"{name}.weight_zero_point", (-(-out // per), G),
+                                                  np.dtype(np.int32))])
+
+
 def to_compressed_tensors(model: nnx.Module, scheme: Scheme, ignore: Sequence[str] = (), *,
                           scale_dtype: Any = np.float32) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     """(quantization_config, tensors) for every quantized module, HF names, [out, in] layout
