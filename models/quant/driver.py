@@ -99,17 +99,25 @@ def _row(name: str, w: np.ndarray, qm: QMatrix, stats: Stats | None, scheme: Sch
 FUSED_PROJECTIONS = (("q_proj", "k_proj", "v_proj"), ("q_a_proj", "kv_a_proj_with_mqa"), ("gate_proj", "up_proj"))
 
 
+def fused_groups(names: Sequence[str]) -> list[list[str]]:
+    """Module names grouped as engines fuse them: one group per parent module and FUSED_PROJECTIONS entry
+    (so each expert's gate/up pair too, `...experts.3.gate_proj` with `...experts.3.up_proj`); every other
+    module alone."""
+    group_of = {p: i for i, g in enumerate(FUSED_PROJECTIONS) for p in g}
+    members: dict[tuple, list[str]] = {}
+    for name in names:
+        parent, _, leaf = name.rpartition(".")
+        members.setdefault((parent, group_of.get(leaf, leaf)), []).append(name)
+    return list(members.values())
+
+
 def nvfp4_global_scales(units: Sequence[Unit]) -> dict[str, np.ndarray]:
     """HF name -> the NVFP4 global scale [1] of every quantized Linear, shared within fused groups. (Experts:
     each expert's gate/up share one, set in `_quantize_unit`.)"""
     amax = {u.name: float(np.max(np.abs(np.asarray(u.module.weight(), np.float32)), initial=0.0))
             for u in units if isinstance(u.module, Linear)}
-    group_of = {p: i for i, g in enumerate(FUSED_PROJECTIONS) for p in g}
-    members: dict[tuple, list[str]] = {}
-    for name in amax:
-        parent, _, leaf = name.rpartition(".")
-        members.setdefault((parent, group_of.get(leaf, leaf)), []).append(name)
-    return {n: Q.nvfp4_global_scale(max(amax[m] for m in group)) for group in members.values() for n in group}
+    return {n: Q.nvfp4_global_scale(max(amax[m] for m in group)) for group in fused_groups(list(amax))
+            for n in group}
 
 
 # ------------------------------------------------------------------------------------------------

@@ -49,7 +49,7 @@ from models import families
 from models.layers import Linear
 from models.moe import Experts
 from models.quant import quantizers as Q
-from models.quant.driver import FUSED_PROJECTIONS, quantize_matrix
+from models.quant.driver import fused_groups, quantize_matrix
 from models.quant.formats.compressed_tensors import _tensors_for, compressed_tensors_config, tensor_specs
 from models.quant.formats.dequantizing import DequantizingCheckpoint
 from models.quant.schemes import Options, Scheme
@@ -78,17 +78,6 @@ def quantized_tensors(model: nnx.Module, scheme: Scheme, ignore: Sequence[str]) 
                 for proj in ("gate_proj", "up_proj", "down_proj"):
                     out[f"{u.name}.{e}.{proj}.weight"] = f"{u.name}.{e}.{proj}"
     return out
-
-
-def fused_groups(names: Sequence[str]) -> list[list[str]]:
-    """Module names grouped as engines fuse them (one group per parent and FUSED_PROJECTIONS entry; every
-    other module alone): the NVFP4 global-scale groups of `nvfp4_global_scales`."""
-    group_of = {p: i for i, g in enumerate(FUSED_PROJECTIONS) for p in g}
-    members: dict[tuple, list[str]] = {}
-    for name in names:
-        parent, _, leaf = name.rpartition(".")
-        members.setdefault((parent, group_of.get(leaf, leaf)), []).append(name)
-    return list(members.values())
 
 
 def _abstract_model(src: str, cfg_dict: dict[str, Any], names: set[str]) -> nnx.Module:
