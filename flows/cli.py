@@ -544,7 +544,7 @@ def quantize_checkpoint(
     import storage
     from models.quant import parse_scheme
     from models.quant.streaming import quantize_checkpoint as run
-    from tasks.stage import Interrupted, received
+    from tasks.stage import Interrupted, raise_if_interrupted, received
 
     _log_to_stderr()
     try:
@@ -556,31 +556,23 @@ def quantize_checkpoint(
             storage.normalize_url(url)
         except storage.StorageKeyError as e:
             _fail(f"{flag}: {e}", 2)
+    def progress(line: str) -> None:
+        raise_if_interrupted()  # a signal swallowed mid-shard stops the run at the next shard
+        logging.getLogger("forgeline").info(line)
+
     previous = {s: signal.signal(s, _on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        report = run(src, out, parsed, ignore=tuple(ignore or ()),
-                     progress=lambda line: (_raise_if_signalled(), logging.getLogger("forgeline").info(line)))
+        report = run(src, out, parsed, ignore=tuple(ignore or ()), progress=progress)
     except BaseException as e:
         if received() is not None or isinstance(e, Interrupted | KeyboardInterrupt):
             signum = received() or signal.SIGINT
             _fail(f"interrupted by {signal.Signals(signum).name}: nothing was left at {out}", 128 + signum)
-        if isinstance(e, ValueError | FileNotFoundError | PermissionError | storage.StoreUnavailable
-                      | storage.StorageKeyError):
-            _fail(_first_line(e))
-        if isinstance(e, Exception):
-            _fail(f"{type(e).__name__}: {_first_line(e)} (traceback: {_save_traceback(e)})")
-        raise
+        _failure(e)  # one `error:` line, as for a release
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
     print(f"{out}: {parsed.name}, {report['quantized']} weights quantized, {report['copied']} tensors copied, "
           f"{report['bytes_written'] / 2**20:.1f} MiB of safetensors in {report['seconds']:.1f}s")
-
-
-def _raise_if_signalled() -> None:
-    from tasks.stage import raise_if_interrupted
-
-    raise_if_interrupted()
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True,

@@ -188,7 +188,7 @@ def _gptq_block(w1, hinv1, col_scale, col_zero, gscale=None, *, dynamic: bool, w
             s, z = col_scale[:, i], col_zero[:, i]
         w = w1[:, i]  # [out]
         d = hinv1[i, i]
-        q = _round_e2m1_jnp(_div(w, s)) if fp4 is not None else _quant(w, s, z, qmin, qmax)
+        q = round_e2m1(_div(w, s), jnp) if fp4 is not None else _quant(w, s, z, qmin, qmax)
         e = _div(w - (q - z) * s, d)  # [out]
         # hinv1 is upper triangular: row i is zero left of i, so already-quantized columns are untouched
         w1 = w1 - e[:, None] * hinv1[i][None, :]
@@ -449,21 +449,19 @@ E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
 _E2M1_BOUNDS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
 
 
-def e2m1_index(x: np.ndarray) -> np.ndarray:
-    """|x| (x within ±6) -> the index 0..7 of its nearest E2M1 magnitude, ties to the even code."""
-    a = np.abs(x)
-    idx = np.zeros(a.shape, np.uint8)
-    for b, inclusive in _E2M1_BOUNDS:
-        idx += (a >= b) if inclusive else (a > b)
-    return idx
+def e2m1_index(x, xp=np):
+    """|x| (x within ±6) -> the index 0..7 of its nearest E2M1 magnitude, ties to the even code. `xp`: numpy
+    (host) or jax.numpy (inside GPTQ's jitted loop) - the same comparisons either way."""
+    a = xp.abs(x)
+    return sum(((a >= b) if inclusive else (a > b)).astype(xp.uint8) for b, inclusive in _E2M1_BOUNDS)
 
 
-def round_e2m1(x: np.ndarray) -> np.ndarray:
+def round_e2m1(x, xp=np):
     """x -> the nearest E2M1 value (float32), clamped to ±6, ties to even; a negative x that rounds to zero
     gives -0 (its code carries the sign bit), -0 itself gives +0, as torch's `sign(x) · |r|` does."""
-    x = np.clip(np.asarray(x, np.float32), -FP4_MAX, FP4_MAX)
-    r = E2M1_VALUES[e2m1_index(x)]
-    return np.where(x < 0, -r, r)
+    x = xp.clip(xp.asarray(x, xp.float32), -FP4_MAX, FP4_MAX)
+    r = xp.asarray(E2M1_VALUES)[e2m1_index(x, xp)]
+    return xp.where(x < 0, -r, r)
 
 
 def nvfp4_global_scale(amax) -> np.ndarray:
@@ -473,6 +471,13 @@ def nvfp4_global_scale(amax) -> np.ndarray:
         # torch's `scalar / tensor` is `tensor.reciprocal() * scalar`: two float32 roundings, kept for bit parity
         g = (np.float32(1.0) / a) * np.float32(FP8_MAX * FP4_MAX)
     return np.asarray([g if np.isfinite(g) else np.float32(1.0)], np.float32)
+
+
+def _global(t: np.ndarray, global_scale) -> np.ndarray:
+    """The NVFP4 global scale [1]: the one given (shared by fused projections), else the tensor's own."""
+    if global_scale is None:
+        return nvfp4_global_scale(np.abs(t).max(initial=0.0))
+    return np.asarray(global_scale, np.float32).reshape(1)
 
 
 def _groups(w, fmt: str) -> np.ndarray:
@@ -489,8 +494,7 @@ def nvfp4(w, global_scale=None) -> FP4Tensor:
     """NVFP4 round-to-nearest of w [out, in]. `global_scale` [1]: shared by fused projections (q/k/v,
     gate/up: engines fuse them and need one global scale); default: this tensor's own."""
     t = _groups(w, "nvfp4")  # [out, G, 16]
-    g = nvfp4_global_scale(np.abs(t).max(initial=0.0)) if global_scale is None \
-        else np.asarray(global_scale, np.float32).reshape(1)
+    g = _global(t, global_scale)
     s = g[0] * (np.abs(t).max(axis=-1) / np.float32(FP4_MAX))  # [out, G]
     s = np.clip(s, -FP8_MAX, FP8_MAX).astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
     s[s == 0] = FP8_EPS
@@ -498,12 +502,17 @@ def nvfp4(w, global_scale=None) -> FP4Tensor:
     return FP4Tensor(q.reshape(t.shape[0], -1), s, g)
 
 
-def mx_scale(amax: np.ndarray) -> np.ndarray:
-    """Per-group amax float32 -> the E8M0 code uint8: the biased exponent of amax rounded to a power of
-    two (a mantissa of 0.75 or more rounds up), minus floor(log2 6) = 2, clamped to 0..255."""
-    bits = np.asarray(amax, np.float32).view(np.int32)
+def _e8m0(bits, xp=np, lowest: int = 0):
+    """The E8M0 code of amax's float32 bits (int32; `xp` numpy or jax.numpy): its biased exponent once amax is
+    rounded to a power of two (a mantissa of 0.75 or more rounds up), minus floor(log2 6) = 2, clamped to
+    lowest..255."""
     rounded = (bits + (1 << 21)) & (0xFF << 23)  # amax >= 0: keep the exponent
-    return np.clip((rounded >> 23) - 2, 0, 255).astype(np.uint8)
+    return xp.clip((rounded >> 23) - 2, lowest, 255)
+
+
+def mx_scale(amax: np.ndarray) -> np.ndarray:
+    """Per-group amax float32 -> its E8M0 code uint8 (`_e8m0`)."""
+    return _e8m0(np.asarray(amax, np.float32).view(np.int32)).astype(np.uint8)
 
 
 def mx_scale_value(code: np.ndarray) -> np.ndarray:
@@ -537,14 +546,6 @@ def dequantize_fp4(q, scale, global_scale=None) -> np.ndarray:
 # ----------------------------------------------------------------------------- GPTQ with FP4 groups
 
 
-def _round_e2m1_jnp(x: jnp.ndarray) -> jnp.ndarray:
-    """`round_e2m1` in JAX (inside GPTQ's loop): x -> the nearest E2M1 value within ±6, ties to even."""
-    a = jnp.abs(jnp.clip(x, -FP4_MAX, FP4_MAX))
-    r = jnp.select([a <= 0.25, a < 0.75, a <= 1.25, a < 1.75, a <= 2.5, a < 3.5, a <= 5.0],
-                   [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0], 6.0).astype(jnp.float32)
-    return jnp.where(x < 0, -r, r)
-
-
 def _fp4_group_scale(amax: jnp.ndarray, fp4: str, gscale) -> tuple[jnp.ndarray, jnp.ndarray]:
     """Per-row group amax [out] -> (effective scale [out], stored scale [out]): NVFP4 stores
     e4m3(g · amax / 6) and divides by g; MXFP4 stores and uses 2^(code − 127). In XLA subnormal floats flush
@@ -555,8 +556,7 @@ def _fp4_group_scale(amax: jnp.ndarray, fp4: str, gscale) -> tuple[jnp.ndarray, 
         s = s.astype(jnp.float8_e4m3fn).astype(jnp.float32)
         s = jnp.where(s == 0, jnp.float32(FP8_EPS), s)
         return _div(s, gscale), s
-    bits = lax.bitcast_convert_type(amax, jnp.int32)
-    code = jnp.clip((((bits + (1 << 21)) & (0xFF << 23)) >> 23) - 2, 1, 255)
+    code = _e8m0(lax.bitcast_convert_type(amax, jnp.int32), jnp, lowest=1)
     s = lax.bitcast_convert_type((code << 23).astype(jnp.int32), jnp.float32)
     return s, s
 
@@ -575,10 +575,7 @@ def gptq_fp4(w, H, fmt: str, global_scale=None, *, dampening_frac: float = 0.01,
     if h.shape != (n, n):
         raise ValueError(f"H must be [in, in] = [{n}, {n}], got {tuple(h.shape)}")
     width = FP4_GROUP[fmt]
-    g = None
-    if fmt == "nvfp4":
-        g = nvfp4_global_scale(np.abs(t).max(initial=0.0)) if global_scale is None \
-            else np.asarray(global_scale, np.float32).reshape(1)
+    g = _global(t, global_scale) if fmt == "nvfp4" else None
     bs = min(max(width, (block_size // width) * width), max(n, width))
     zeros = jnp.zeros((out, n), jnp.float32)  # static per-column params: unused in dynamic mode
     q, g_s, _, ok = _gptq_core(w, h, zeros, zeros, jnp.float32(dampening_frac),
