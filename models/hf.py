@@ -870,7 +870,7 @@ class SafetensorsWriter:
 
 def save_pretrained(
     model: nnx.Module, path_or_url: str, *, max_shard_bytes: int = 2**30, dtype: Any = None,
-    layout: str = "compressed-tensors",
+    layout: str | None = None,
 ) -> None:
     """Write config.json, generation_config.json and safetensors in the transformers layout.
 
@@ -878,7 +878,9 @@ def save_pretrained(
     `max_shard_bytes` of tensors are split into model-0000i-of-0000n.safetensors plus
     model.safetensors.index.json. A tied model omits lm_head.weight; LoRA factors are merged into
     the written weights; a quantized model (models/quant/) is written in compressed-tensors
-    (`pack-quantized` int, `float-quantized` FP8) or, for FP8 blocks, `layout="deepseek-fp8"`.
+    (`pack-quantized` int, `float-quantized` FP8, FP4) or, for FP8 blocks, `layout="deepseek-fp8"`; a
+    GPT-OSS model with mxfp4a16 experts in GPT-OSS's own MXFP4 layout (`gpt-oss-mxfp4`, their only one).
+    `layout` None: the model's own (gpt-oss-mxfp4 for quantized GPT-OSS experts, else compressed-tensors).
 
     The files are planned from abstract shapes, then every tensor is computed on the devices, brought to
     the host alone (`to_host`) and streamed into its file (`SafetensorsWriter`), so the host never holds
@@ -900,16 +902,26 @@ def save_pretrained(
     entries = hf_tensors(model, dtype=dtype, skip_quantized=quantized)
     config = model.config.to_hf(DTYPE_NAMES[dtype])
     if quantized:
-        if layout == "deepseek-fp8":
-            qconfig, qtensors = quant.to_deepseek_fp8(model)
-        elif layout == "compressed-tensors":
-            # scales stay fp32 whatever `dtype` is: transformers multiplies in the scale's dtype when it
-            # dequantizes, and bf16 scales would move the logits away from ours
-            qconfig, qtensors = quant.to_compressed_tensors(model, quant.scheme_of(model),
-                                                            getattr(model, "quant_ignore", ()))
+        gpt_oss = quant.has_gpt_oss_mxfp4(model)
+        layout = layout or ("gpt-oss-mxfp4" if gpt_oss else "compressed-tensors")
+        if gpt_oss and layout != "gpt-oss-mxfp4":
+            raise ValueError(f"save_pretrained: layout {layout!r}: GPT-OSS's quantized experts are written only in "
+                             "GPT-OSS's own MXFP4 layout (layout='gpt-oss-mxfp4', the default for them)")
+        if layout == "gpt-oss-mxfp4":  # streamed: each tensor computed from its module when its turn comes
+            qconfig, specs = quant.to_gpt_oss_mxfp4(model, dtype)
+            entries += [(name, _module_tensor(fn, mod, abstract)) for name, mod, fn, abstract in specs]
         else:
-            raise ValueError(f"unknown quantized layout {layout!r} (compressed-tensors, deepseek-fp8)")
-        entries += [(name, lambda _a=array: _a) for name, array in qtensors.items()]
+            if layout == "deepseek-fp8":
+                qconfig, qtensors = quant.to_deepseek_fp8(model)
+            elif layout == "compressed-tensors":
+                # scales stay fp32 whatever `dtype` is: transformers multiplies in the scale's dtype when it
+                # dequantizes, and bf16 scales would move the logits away from ours
+                qconfig, qtensors = quant.to_compressed_tensors(model, quant.scheme_of(model),
+                                                                getattr(model, "quant_ignore", ()))
+            else:
+                raise ValueError(f"unknown quantized layout {layout!r} (compressed-tensors, deepseek-fp8, "
+                                 "gpt-oss-mxfp4)")
+            entries += [(name, lambda _a=array: _a) for name, array in qtensors.items()]
         config["quantization_config"] = qconfig
     entries.sort(key=lambda e: _natural_key(e[0]))
     shapes = {name: _abstract_of(fn) for name, fn in entries}
@@ -953,6 +965,17 @@ def save_pretrained(
             with writable_dir(path_or_url) as folder:
                 _write_meta(folder, meta)
         _barrier("forgeline save_pretrained: saved")
+
+
+def _module_tensor(fn: Callable[[nnx.Module], Any], module: nnx.Module, abstract: jax.ShapeDtypeStruct
+                   ) -> Callable[[], jax.Array]:
+    """`fn(module)` computed on the devices (`_on_devices`) in `abstract`'s dtype, with `abstract` recorded
+    for planning (no trace)."""
+    def tensor() -> jax.Array:
+        return jnp.asarray(_on_devices(fn, module)).astype(abstract.dtype)
+
+    tensor.abstract = abstract  # type: ignore[attr-defined]
+    return tensor
 
 
 def _abstract_of(fn: Callable[[], Any]) -> Any:

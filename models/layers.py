@@ -24,6 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from models.numerics import quantize_activation
+
 Axes = tuple[str | None, ...]
 INIT_STD = 0.02  # transformers' initializer_range
 
@@ -94,7 +96,9 @@ class Linear(nnx.Module):
       quantized: qweight QuantWeight [in, out] (int8 codes of an int4/int8 scheme, or float8_e4m3fn),
                  scale QuantScale [G, out] (G input groups; 1 = per channel) or [in/128, out/128] (FP8
                  blocks, `qblock` = 128), zero QuantZero int8 [G, out] for asymmetric schemes; kernel is None.
-                 The forward dequantizes on the fly (models/quant/ makes and writes these).
+                 The forward dequantizes on the fly (models/quant/ makes and writes these). With `act` set
+                 the input is quantized-dequantized first as the engine does (models/numerics.py; NVFP4's
+                 calibrated global input scale in input_global QuantScale [1]).
     """
 
     def __init__(
@@ -125,6 +129,8 @@ class Linear(nnx.Module):
         self.qglobal = nnx.data(None)  # NVFP4: the global scale [1]
         self.qblock: int | None = None  # FP8 block edge (scale per qblock x qblock tile); None for int schemes
         self.qbits = 0  # bits per code of an int scheme (4 or 8; int4 codes are held one per int8)
+        self.input_quant: str | None = None  # quantized inputs (models/numerics.py): fp8 | int8 | nvfp4 | mxfp4
+        self.input_global = nnx.data(None)  # NVFP4 activations: the calibrated global input scale [1]
         self.calibrating = False  # models/quant/: sow this layer's inputs for calibration statistics
 
     def add_lora(self, rank: int, alpha: float, *, key: jax.Array, dropout: float = 0.0,
@@ -167,6 +173,9 @@ class Linear(nnx.Module):
         x = x.astype(self.dtype).reshape(-1, self.in_features)  # [B*T, in]
         if self.calibrating:
             self.sow(nnx.Intermediate, "calib", x)
+        if self.input_quant is not None:  # the engine quantizes the GEMM's input too (W8A8, W4A4 schemes)
+            g = None if self.input_global is None else self.input_global[...]
+            x = quantize_activation(x, self.input_quant, g)
         if self.qweight is not None and self.zero is None and self.qblock is None and self.qglobal is None \
                 and self.scale.shape[0] == 1:
             # per-channel symmetric: the scale is applied to the [.., out] result

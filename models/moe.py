@@ -36,6 +36,7 @@ from flax import nnx
 
 from models import views
 from models.layers import INIT_STD, MLP, Buffer, dequantize, param
+from models.numerics import quantize_activation
 
 # ------------------------------------------------------------------------------------------------
 # Routers
@@ -276,7 +277,9 @@ class Experts(nnx.Module):
     Quantized (models/quant/): gate_up / down are None and each has codes `<w>_q` QuantWeight [E, in, out],
     scales `<w>_scale` QuantScale [E, G, out] (or FP8 tiles [E, in/128, out/128] with `qblock`) and, for
     asymmetric schemes, `<w>_zero` QuantZero [E, G, out], for NVFP4 `<w>_global` QuantScale [E, 1] (gate and
-    up share one): every expert quantized on its own; the forward dequantizes them on the fly.
+    up share one): every expert quantized on its own; the forward dequantizes them on the fly. With
+    `input_quant` set each expert's input rows are quantized-dequantized first as the engine does (models/numerics.py;
+    NVFP4's calibrated global input scales in `<w>_input_global` QuantScale [E, 1]).
     """
 
     def __init__(
@@ -309,6 +312,9 @@ class Experts(nnx.Module):
                 setattr(self, f"{w}_{part}", nnx.data(None))
         self.qblock: int | None = None
         self.qbits = 0
+        self.input_quant: str | None = None  # quantized inputs (models/numerics.py), as Linear.input_quant
+        self.gate_up_input_global = nnx.data(None)  # NVFP4 activations: global input scales [E, 1]
+        self.down_input_global = nnx.data(None)
         self.calibrating = False  # models/quant/: sow the routed rows for per-expert calibration
         self.expert_parallel: ExpertParallel | None = None  # on a mesh: the per-device dispatch (__call__)
 
@@ -401,6 +407,15 @@ class Experts(nnx.Module):
         gate = jnp.minimum(gate, self.limit)
         up = jnp.clip(up, -self.limit, self.limit)
         return (up + 1) * gate * jax.nn.sigmoid(gate * self.alpha)
+
+    def _act_quant(self, h: jax.Array, w: str, expert: jax.Array) -> jax.Array:
+        """Rows h [..., in] entering projection `w` ("gate_up" | "down") of experts `expert` [...] (broadcast
+        against h's leading axes), quantized-dequantized as the engine does when the scheme quantizes
+        activations; h unchanged otherwise."""
+        if self.input_quant is None:
+            return h
+        g = getattr(self, f"{w}_input_global")
+        return quantize_activation(h, self.input_quant, None if g is None else g[...][expert])  # g: [..., 1]
 
     def __call__(self, x: jax.Array, idx: jax.Array, w: jax.Array, *, impl: str | None = None) -> jax.Array:
         """x [T, D], idx [T, k] experts, w [T, k] routing weights -> Σ_k w · expert_idx(x), [T, D].
@@ -506,6 +521,7 @@ class Experts(nnx.Module):
         if self.calibrating:
             self.sow(nnx.Intermediate, "calib_rows", (token, expert))
             self.sow(nnx.Intermediate, "calib_gate_up", xs)
+        xs = self._act_quant(xs, "gate_up", expert)
         gu = grouped_matmul(xs, w_gu, sizes, impl=impl)  # [R, 2I]
         if lora:
             gu = gu + lora_delta(xs, self.gate_up_lora_a, self.gate_up_lora_b)
@@ -514,6 +530,7 @@ class Experts(nnx.Module):
         h = self.act(gu)  # [R, I]
         if self.calibrating:
             self.sow(nnx.Intermediate, "calib_down", h)
+        h = self._act_quant(h, "down", expert)
         y = grouped_matmul(h, w_down, sizes, impl=impl)  # [R, D]
         if lora:
             y = y + lora_delta(h, self.down_lora_a, self.down_lora_b)
@@ -528,14 +545,19 @@ class Experts(nnx.Module):
         lora = self.gate_up_lora_a is not None
         scale = jnp.asarray(self.lora_scale, self.dtype)
         w_gu, w_down = self.base_weights(self.dtype)
-        gu = jnp.einsum("td,edf->etf", x, w_gu)  # [E, T, 2I]
+        E = self.num_experts
+        if self.input_quant is not None:  # each expert quantizes its own copy of the input (own global scale)
+            xe = self._act_quant(jnp.broadcast_to(x, (E, *x.shape)), "gate_up", jnp.arange(E)[:, None])
+            gu = jnp.einsum("etd,edf->etf", xe, w_gu)  # [E, T, 2I]
+        else:
+            gu = jnp.einsum("td,edf->etf", x, w_gu)  # [E, T, 2I]
         if lora:
             t = jnp.einsum("td,edr->etr", self._lora_in(x), self.gate_up_lora_a[...].astype(self.dtype))  # [E, T, r]
             gu = gu + jnp.einsum("etr,erf->etf", t, self.gate_up_lora_b[...].astype(self.dtype)) * scale
         if self.gate_up_bias is not None:
             gu = gu + self.gate_up_bias[...].astype(self.dtype)[:, None, :]
         h = self.act(gu)  # [E, T, I]
-        y = jnp.einsum("eti,eid->etd", h, w_down)  # [E, T, D]
+        y = jnp.einsum("eti,eid->etd", self._act_quant(h, "down", jnp.arange(E)[:, None]), w_down)  # [E, T, D]
         if lora:
             t = jnp.einsum("eti,eir->etr", self._lora_in(h), self.down_lora_a[...].astype(self.dtype))  # [E, T, r]
             y = y + jnp.einsum("etr,erd->etd", t, self.down_lora_b[...].astype(self.dtype)) * scale

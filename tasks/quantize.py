@@ -44,9 +44,9 @@ def check_fits(cfg: QuantizeConfig, model: Any) -> None:
     """Every scheme against the model's layers (an `nnx.eval_shape` model will do): group sizes that do not
     divide a width, a partial ignore of an expert stack, unsupported experts. The release checks this
     before any stage runs; `quantize_model` checks it again."""
-    units = quant.quant_units(model, cfg.ignore)
     for name in cfg.schemes:
-        quant.check_supported(units, quant.parse_scheme(name))
+        scheme = quant.parse_scheme(name)
+        quant.check_supported(quant.quant_units(model, cfg.ignore, scheme), scheme)
 
 
 def calibration_batches(data_dir: Path, cfg: CalibrationConfig) -> list[tuple[np.ndarray, np.ndarray]]:

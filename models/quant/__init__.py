@@ -10,7 +10,7 @@ do from compressed-tensors' formats:
     driver.py        quantize_model: layer by layer, calibrate -> (AWQ) -> quantize -> next layer
     state.py         the quantized state in memory (codes, scales, zero points on Linear / Experts)
     formats/         on-disk layouts only: compressed-tensors (written and read), DeepSeek FP8 (written
-                     and read), GPT-OSS MXFP4 (read)
+                     and read), GPT-OSS MXFP4 experts (written and read)
 
     scheme = parse_scheme("w4a16-gptq")                       # int4, group 128, symmetric, GPTQ
     report = quantize_model(model, scheme, calibration)       # in place; calibration: [(ids, segment_ids)]
@@ -34,6 +34,8 @@ _LAZY = {
     "quantize_int8": "models.quant.driver",
     "quantize_model": "models.quant.driver",
     "to_deepseek_fp8": "models.quant.formats.deepseek_fp8",
+    "has_gpt_oss_mxfp4": "models.quant.formats.mxfp4",
+    "to_gpt_oss_mxfp4": "models.quant.formats.mxfp4",
     "load_experts": "models.quant.formats.compressed_tensors",
     "load_linear": "models.quant.formats.compressed_tensors",
     "pack": "models.quant.formats.compressed_tensors",

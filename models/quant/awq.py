@@ -78,19 +78,8 @@ def awq_layer(layer: nnx.Module, i: int, stats: dict[str, Stats | ExpertStats], 
             stats[n] = stats[n].scaled(s)
         rows.append({"fold": fold, "modules": qnames, "loss": loss, "rtn_loss": rtn_loss})
 
-    attn = layer.self_attn
-    norm_in = lambda s: _scale_norm(layer.input_layernorm, s)  # noqa: E731
-    if hasattr(attn, "q_proj") and hasattr(attn, "k_proj"):  # GQA families
-        linear_group(f"{pre}.input_layernorm", norm_in,
-                     [f"{pre}.self_attn.{p}" for p in ("q_proj", "k_proj", "v_proj")])
-    elif hasattr(attn, "kv_a_proj_with_mqa"):  # MLA
-        first = "q_proj" if getattr(attn, "q_proj", None) is not None else "q_a_proj"
-        linear_group(f"{pre}.input_layernorm", norm_in, [f"{pre}.self_attn.{p}" for p in (first, "kv_a_proj_with_mqa")])
-        if first == "q_a_proj":
-            linear_group(f"{pre}.self_attn.q_a_layernorm", lambda s: _scale_norm(attn.q_a_layernorm, s),
-                         [f"{pre}.self_attn.q_b_proj"])
-        linear_group(f"{pre}.self_attn.kv_a_layernorm", lambda s: _scale_norm(attn.kv_a_layernorm, s),
-                     [f"{pre}.self_attn.kv_b_proj"])
+    for fold, norm, names in attention_folds(layer, pre):
+        linear_group(fold, lambda s, norm=norm: _scale_norm(norm, s), names)
     norm_post = lambda s: _scale_norm(layer.post_attention_layernorm, s)  # noqa: E731
     mlp = layer.mlp
     if hasattr(mlp, "gate_proj"):  # dense SwiGLU
@@ -98,6 +87,24 @@ def awq_layer(layer: nnx.Module, i: int, stats: dict[str, Stats | ExpertStats], 
     elif hasattr(mlp, "experts"):
         rows += _awq_moe(mlp, f"{pre}.mlp", stats, quantized, norm_post, linear_group, search, scheme, opts)
     return rows
+
+
+def attention_folds(layer: nnx.Module, pre: str) -> list[tuple[str, RMSNorm, list[str]]]:
+    """(label, the RMSNorm, the HF names of the Linears reading its output) for the attention block of
+    decoder layer `pre`: input_layernorm before q/k/v (GQA) or MLA's first projections, and MLA's q_a / kv_a
+    norms before q_b / kv_b. Shared by AWQ and SmoothQuant (models/quant/smoothquant.py)."""
+    attn = layer.self_attn
+    sa = f"{pre}.self_attn"
+    if hasattr(attn, "q_proj") and hasattr(attn, "k_proj"):  # GQA families
+        return [(f"{pre}.input_layernorm", layer.input_layernorm,
+                 [f"{sa}.{p}" for p in ("q_proj", "k_proj", "v_proj")])]
+    if not hasattr(attn, "kv_a_proj_with_mqa"):
+        return []
+    first = "q_proj" if getattr(attn, "q_proj", None) is not None else "q_a_proj"  # MLA
+    folds = [(f"{pre}.input_layernorm", layer.input_layernorm, [f"{sa}.{first}", f"{sa}.kv_a_proj_with_mqa"])]
+    if first == "q_a_proj":
+        folds.append((f"{sa}.q_a_layernorm", attn.q_a_layernorm, [f"{sa}.q_b_proj"]))
+    return folds + [(f"{sa}.kv_a_layernorm", attn.kv_a_layernorm, [f"{sa}.kv_b_proj"])]
 
 
 def _mlp_groups(linear_group: Any, prefix: str, mlp: nnx.Module, before: Any) -> None:
@@ -125,6 +132,23 @@ def _grid_search_chunked(pair_chunks: Iterable[list[tuple[np.ndarray, np.ndarray
     return np.asarray(scales[best], np.float32), float(losses[best]), float(losses[0])  # r = 0: s = 1
 
 
+def fold_moe_input(moe: nnx.Module, s: np.ndarray, norm_post: Any) -> None:
+    """Fold a per-channel scale s [D] into an MoE block's input: every expert's and the shared experts'
+    gate/up take W·diag(s) (quantized or not), the norm before divides by s (`norm_post`), the router's
+    weights take W·diag(s) so its logits (routing) are unchanged. Shared by AWQ and SmoothQuant."""
+    ex: Experts = moe.experts
+    ex.gate_up[...] = (ex.gate_up[...].astype(jnp.float32) * jnp.asarray(s)[None, :, None]
+                       ).astype(ex.gate_up[...].dtype)  # [E, D, 2I]
+    shared = getattr(moe, "shared_experts", None)
+    if shared is not None:  # the shared experts read the same normed input: scaled too, quantized or not
+        _scale_in(shared.gate_proj, s)
+        _scale_in(shared.up_proj, s)
+    norm_post(s)
+    router = getattr(moe, moe.router_name)
+    router.weight[...] = (router.weight[...].astype(jnp.float32) * jnp.asarray(s)[None, :]
+                          ).astype(router.weight[...].dtype)  # router input x/s, weights W s: same logits
+
+
 def _awq_moe(moe: nnx.Module, prefix: str, stats: dict[str, Stats | ExpertStats], quantized: set[str],
              norm_post: Any, linear_group: Any, search: Any, scheme: Scheme, opts: Options) -> list[dict[str, Any]]:
     """AWQ for an MoE block: one scale for everything reading the normed input (all experts' gate/up,
@@ -150,16 +174,9 @@ def _awq_moe(moe: nnx.Module, prefix: str, stats: dict[str, Stats | ExpertStats]
         expert_chunks = ([(gu[e].T, H[e - c0]) for e in range(c0, c1)] for c0, c1, H in st.chunks())
         s, loss, rtn_loss = _grid_search_chunked(itertools.chain(expert_chunks, [shared_pairs]), pooled.absmean(),
                                                  scheme.args, opts.awq_grid)
-        ex.gate_up[...] = jnp.asarray(gu * s[None, :, None], ex.gate_up[...].dtype)
-        if shared is not None:  # the shared experts read the same normed input: scaled too, quantized or not
-            _scale_in(shared.gate_proj, s)
-            _scale_in(shared.up_proj, s)
+        fold_moe_input(moe, s, norm_post)
         for n in shared_names:
             stats[n] = stats[n].scaled(s)
-        norm_post(s)
-        router = getattr(moe, moe.router_name)
-        router.weight[...] = (router.weight[...].astype(jnp.float32) * jnp.asarray(s)[None, :]
-                              ).astype(router.weight[...].dtype)  # router input x/s, weights W s: same logits
         stats[f"{name}.gate_up"] = st.scaled(s)
         rows.append({"fold": f"{prefix} post_attention_layernorm (+ router)", "modules": [name, *shared_names],
                      "loss": loss, "rtn_loss": rtn_loss})

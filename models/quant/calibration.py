@@ -1,6 +1,7 @@
 """Calibration statistics, one decoder layer at a time: for every quantizable input, H = Σ x xᵀ (the
-Hessian proxy GPTQ needs), Σ |x| (the activation magnitudes AWQ's scale search needs) and the token
-count, padding (segment 0) excluded.
+Hessian proxy GPTQ needs), Σ |x| (the activation magnitudes AWQ's scale search needs), max |x| per channel
+(SmoothQuant's activation ranges; NVFP4 activations' global scale) and the token count, padding (segment
+0) excluded.
 
 Calibration runs layer by layer, as GPTQ (arXiv:2210.17323) and llm-compressor's sequential pipeline
 (`pipelines/sequential/pipeline.py`) do: the calibration tokens go through decoder layer i with every
@@ -54,25 +55,30 @@ _HI = jax.lax.Precision.HIGHEST  # full-fp32 matmuls also on GPUs that default t
 
 @dataclasses.dataclass
 class Stats:
-    """Σ x xᵀ [.., in, in], Σ |x| [.., in] and the token count [..] of one module input (one expert's too)."""
+    """Σ x xᵀ [.., in, in], Σ |x| [.., in], the token count [..] and max |x| [.., in] of one module input
+    (one expert's too)."""
 
     H: np.ndarray
     abs_sum: np.ndarray
     n: np.ndarray
+    abs_max: np.ndarray | None = None
 
     def __add__(self, other: Stats) -> Stats:
-        return Stats(self.H + other.H, self.abs_sum + other.abs_sum, self.n + other.n)
+        amax = None if self.abs_max is None or other.abs_max is None else np.maximum(self.abs_max, other.abs_max)
+        return Stats(self.H + other.H, self.abs_sum + other.abs_sum, self.n + other.n, amax)
 
     def absmean(self) -> np.ndarray:
         return self.abs_sum / np.maximum(self.n, 1.0)[..., None]
 
     def pooled(self) -> Stats:
         """Statistics summed over the leading axis."""
-        return Stats(self.H.sum(0), self.abs_sum.sum(0), self.n.sum(0))
+        return Stats(self.H.sum(0), self.abs_sum.sum(0), self.n.sum(0),
+                     None if self.abs_max is None else self.abs_max.max(0))
 
     def scaled(self, s: np.ndarray) -> Stats:
-        """Statistics of x / s (the input after an AWQ scale s was folded into the op before)."""
-        return Stats(self.H / (s[..., :, None] * s[..., None, :]), self.abs_sum / s, self.n)
+        """Statistics of x / s (the input after an AWQ or SmoothQuant scale s was folded into the op before)."""
+        return Stats(self.H / (s[..., :, None] * s[..., None, :]), self.abs_sum / s, self.n,
+                     None if self.abs_max is None else self.abs_max / s)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -131,6 +137,7 @@ class ExpertStats:
     raw_abs_sum: np.ndarray  # [E, in] float64, of the unscaled rows
     n: np.ndarray  # [E] float64
     raw_pooled_H: np.ndarray  # [in, in] float64: Σ_e H_e of the unscaled rows
+    raw_abs_max: np.ndarray | None = None  # [E, in] float64, max |x| of the unscaled rows (0: no rows)
     chunk: int = 8  # experts per Hessian chunk (Options.expert_chunk)
     scale: np.ndarray | None = None  # [E, in] float32
 
@@ -154,6 +161,12 @@ class ExpertStats:
     def absmean(self) -> np.ndarray:  # [E, in]
         return self.abs_sum / np.maximum(self.n, 1.0)[:, None]
 
+    @property
+    def abs_max(self) -> np.ndarray | None:  # [E, in]
+        if self.raw_abs_max is None:
+            return None
+        return self.raw_abs_max if self.scale is None else self.raw_abs_max / self.scale
+
     def scaled(self, s: np.ndarray) -> ExpertStats:
         """Statistics of x / s: s [in] (every expert) or [E, in] (one scale per expert)."""
         s = np.broadcast_to(np.asarray(s, np.float32), (self.num_experts, self.in_features))
@@ -162,7 +175,7 @@ class ExpertStats:
 
     def expert(self, e: int, H: np.ndarray) -> Stats:
         """Expert e's Stats given its Hessian H [in, in] (from `chunks` / `hessians`)."""
-        return Stats(H, self.abs_sum[e], self.n[e])
+        return Stats(H, self.abs_sum[e], self.n[e], None if self.abs_max is None else self.abs_max[e])
 
     def hessians(self, c0: int, c1: int) -> np.ndarray:
         """H [c1 - c0, in, in] float32 of experts [c0, c1): their rows in blocks, one grouped Gram."""
@@ -217,7 +230,7 @@ class ExpertStats:
             H = np.zeros_like(self.raw_pooled_H)
             for _, _, h in self.chunks():
                 H += h.sum(0, dtype=np.float64)
-        return Stats(H, self.abs_sum.sum(0), self.n.sum(0))
+        return Stats(H, self.abs_sum.sum(0), self.n.sum(0), None if self.abs_max is None else self.abs_max.max(0))
 
     @property
     def H(self) -> np.ndarray:
@@ -230,18 +243,20 @@ class ExpertStats:
 # ------------------------------------------------------------------------------------------------
 
 
-def _moments(x: jax.Array, w: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """x [R, n], row weights w [R] (0/1) -> (xᵀ diag(w) x [n, n], Σ w |x| [n], Σ w)."""
+def _moments(x: jax.Array, w: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """x [R, n], row weights w [R] (0/1) -> (xᵀ diag(w) x [n, n], Σ w |x| [n], Σ w, max over w > 0 of |x| [n])."""
     x = x.astype(jnp.float32)
     xw = x * w[:, None]
-    return jnp.matmul(xw.T, x, precision=_HI), jnp.abs(xw).sum(0), w.sum()
+    return jnp.matmul(xw.T, x, precision=_HI), jnp.abs(xw).sum(0), w.sum(), jnp.max(jnp.abs(xw), axis=0)
 
 
 def _routed_moments(rows: jax.Array, expert: jax.Array, w: jax.Array, E: int
-                    ) -> tuple[jax.Array, jax.Array]:
-    """rows [R, in], expert [R], row weights w [R] -> (Σ w |x| per expert [E, in], Σ w per expert [E])."""
-    a = jax.ops.segment_sum(jnp.abs(rows.astype(jnp.float32)) * w[:, None], expert, E)  # [E, in]
-    return a, jax.ops.segment_sum(w, expert, E)  # [E]
+                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """rows [R, in], expert [R], row weights w [R] -> (Σ w |x| per expert [E, in], Σ w per expert [E],
+    max |x| over each expert's real rows [E, in], 0 for an expert without any)."""
+    aw = jnp.abs(rows.astype(jnp.float32)) * w[:, None]  # [R, in]
+    a = jax.ops.segment_sum(aw, expert, E)  # [E, in]
+    return a, jax.ops.segment_sum(w, expert, E), jnp.maximum(jax.ops.segment_max(aw, expert, E), 0.0)
 
 
 def _layer_context(model: nnx.Module, seg: jax.Array, i: int):
@@ -273,15 +288,16 @@ def _layer_stats(model: nnx.Module, x: jax.Array, seg: jax.Array, i: int) -> dic
             token, expert = flat[(*path[:-1], "calib_rows")]  # [R], [R]
             E = _module(layer, mod).num_experts
             w = valid[token]  # [R]
-            a, n = _routed_moments(value, expert, w, E)
+            a, n, amax = _routed_moments(value, expert, w, E)
             if what == "calib_gate_up":  # row r is the token's input: keep [B*T, D] + token, pool per token
                 src = jnp.zeros((valid.shape[0], value.shape[1]), value.dtype).at[token].set(value)  # [B*T, D]
                 mult = jax.ops.segment_sum(w, token, valid.shape[0])  # [B*T] real routed rows per token
                 pooled = _moments(src, mult)[0]  # [D, D]
-                out[f"{mod}.gate_up"] = dict(src=src, index=token, expert=expert, w=w, a=a, n=n, pooled=pooled)
+                out[f"{mod}.gate_up"] = dict(src=src, index=token, expert=expert, w=w, a=a, n=n, pooled=pooled,
+                                             amax=amax)
             else:
                 out[f"{mod}.down_proj"] = dict(src=value, index=None, expert=expert, w=w, a=a, n=n,
-                                               pooled=_moments(value, w)[0])
+                                               pooled=_moments(value, w)[0], amax=amax)
     return out
 
 
@@ -325,7 +341,7 @@ def collect_stats(model: nnx.Module, xs: Sequence[jax.Array], segs: Sequence[jax
             for rel, v in _layer_stats(model, x, seg, i).items():
                 key = f"model.layers.{i}.{rel}"
                 if isinstance(v, dict):  # an expert stack input
-                    st = Stats(*(np.asarray(v[k], np.float64) for k in ("pooled", "a", "n")))
+                    st = Stats(*(np.asarray(v[k], np.float64) for k in ("pooled", "a", "n", "amax")))
                     acc = routed.setdefault(key, [None, []])
                     acc[0] = st if acc[0] is None else acc[0] + st
                     acc[1].append(_routed(v["src"], v["index"], v["expert"], v["w"]))
@@ -334,7 +350,7 @@ def collect_stats(model: nnx.Module, xs: Sequence[jax.Array], segs: Sequence[jax
                     total[key] = total[key] + st if key in total else st
         out: dict[str, Stats | ExpertStats] = dict(total)
         for key, (st, batches) in routed.items():
-            out[key] = ExpertStats(batches, st.abs_sum, st.n, st.H, chunk=expert_chunk)
+            out[key] = ExpertStats(batches, st.abs_sum, st.n, st.H, st.abs_max, chunk=expert_chunk)
         return out
     finally:
         _set_calibrating(units, False)

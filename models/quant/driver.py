@@ -5,10 +5,12 @@
     report = quantize_model(model, scheme, calibration)       # in place; calibration: [(ids, segment_ids)]
     save_pretrained(model, "out/")                            # compressed-tensors (models/quant/formats/)
 
-Per decoder layer: collect the calibration statistics (models/quant/calibration.py), fold AWQ scales
-(models/quant/awq.py), quantize every selected module (models/quant/targets.py) by FP8 blocks, GPTQ
-(arXiv:2210.17323) or RTN (models/quant/quantizers.py), then feed the quantized layer's output on. An
-expert stack is quantized `expert_chunk` experts at a time: the chunk's Hessians are built
+Per decoder layer: collect the calibration statistics (models/quant/calibration.py), fold SmoothQuant
+(models/quant/smoothquant.py) or AWQ scales (models/quant/awq.py), quantize every selected module
+(models/quant/targets.py) by FP8 blocks / channels, GPTQ (arXiv:2210.17323) or RTN
+(models/quant/quantizers.py), set the activation quantization the scheme asks for (NVFP4's input global
+scales from the calibration inputs), then feed the quantized layer's output on (its activations quantized
+as the engine will). An expert stack is quantized `expert_chunk` experts at a time: the chunk's Hessians are built
 (`ExpertStats.chunks`), each expert GPTQ'd, and the chunk dropped, so no more than expert_chunk × in²
 Hessian floats are held. An expert with fewer than `expert_min_tokens` routed tokens falls back to the
 layer's statistics pooled over all its experts (the pooled H comes from the calibration forward, ready
@@ -33,7 +35,8 @@ from models.quant import quantizers as Q
 from models.quant.awq import awq_layer
 from models.quant.calibration import ExpertStats, Stats, _layer_forward, calibration_tokens, collect_stats
 from models.quant.schemes import FP8_BLOCK, Options, Scheme, parse_scheme
-from models.quant.state import QMatrix, set_experts, set_linear
+from models.quant.smoothquant import smooth_layer
+from models.quant.state import QMatrix, set_activations, set_experts, set_linear
 from models.quant.targets import Unit, check_supported, is_quantized, quant_units
 
 # ------------------------------------------------------------------------------------------------
@@ -55,9 +58,9 @@ def quantize_matrix(w: np.ndarray, stats: Stats | None, scheme: Scheme, opts: Op
             t = Q.nvfp4(w, global_scale) if scheme.fp4 == "nvfp4" else Q.mxfp4(w)
             how = "rtn"
         return QMatrix(t.q.astype(ml_dtypes.float8_e4m3fn), t.scale, None, t.global_scale), how
-    if scheme.kind == "fp8-block":
-        q, s = Q.fp8_block(w, (FP8_BLOCK, FP8_BLOCK))
-        return QMatrix(np.asarray(q), np.asarray(s, np.float32)), "fp8-block"
+    if scheme.kind in ("fp8-block", "fp8"):  # FP8 per 128x128 tile, or per output channel (a [1, in] tile)
+        q, s = Q.fp8_block(w, (FP8_BLOCK, FP8_BLOCK) if scheme.kind == "fp8-block" else (1, w.shape[1]))
+        return QMatrix(np.asarray(q), np.asarray(s, np.float32)), scheme.kind
     if scheme.method == "gptq" and stats is not None and stats.n > 0:
         qt = Q.gptq(w, stats.H.astype(np.float32), scheme.args, dampening_frac=opts.dampening_frac,
                     actorder=scheme.actorder)
@@ -74,6 +77,8 @@ def dequantized(qm: QMatrix, scheme: Scheme) -> np.ndarray:
         return Q.dequantize_fp4(qm.q, qm.scale, qm.global_scale)
     if scheme.kind == "fp8-block":
         return np.asarray(Q.dequantize_fp8_block(qm.q, qm.scale, (FP8_BLOCK, FP8_BLOCK)))
+    if scheme.kind == "fp8":
+        return np.asarray(qm.q).astype(np.float32) * np.asarray(qm.scale, np.float32)  # scale [out, 1]
     return np.asarray(Q.dequantize(Q.QTensor(qm.q, qm.scale, qm.zero), scheme.args))
 
 
@@ -165,9 +170,39 @@ def _quantize_unit(unit: Unit, stats: dict[str, Stats | ExpertStats], scheme: Sc
     return rows
 
 
+def _set_unit_activations(unit: Unit, stats: dict[str, Stats | ExpertStats], scheme: Scheme) -> str | None:
+    """Have a quantized unit quantize its input activations as the scheme says. NVFP4 activations get their
+    static global input scale from the calibration inputs' max |x| (after any SmoothQuant / AWQ fold), as
+    llm-compressor's static min-max observer does; an expert stack gets one value for all its experts (the
+    largest input over all routed rows: an engine's fused-MoE kernel may reduce per-expert scales to one, and
+    equal values make that exact). Returns a note when a unit had no calibration tokens (global scale 1)."""
+    if scheme.act is None:
+        return None
+    if not scheme.static_act:
+        set_activations(unit.module, scheme.act)
+        return None
+
+    def amax(st: Stats | ExpertStats | None) -> float | None:
+        if st is None or st.abs_max is None or float(np.sum(st.n)) <= 0:
+            return None
+        return float(np.max(st.abs_max))
+
+    if isinstance(unit.module, Linear):
+        a = amax(stats.get(unit.name))
+        g = Q.nvfp4_global_scale(a) if a is not None else np.ones(1, np.float32)
+        set_activations(unit.module, scheme.act, g)
+        return None if a is not None else "no calibration tokens: NVFP4 input global scale 1"
+    E = unit.module.num_experts
+    found = {w: amax(stats.get(f"{unit.name}.{key}")) for w, key in (("gate_up", "gate_up"), ("down", "down_proj"))}
+    set_activations(unit.module, scheme.act, {
+        w: np.broadcast_to(Q.nvfp4_global_scale(a) if a is not None else np.ones(1, np.float32), (E, 1))
+        for w, a in found.items()})
+    return None if all(a is not None for a in found.values()) else "no calibration tokens: NVFP4 input global scale 1"
+
+
 def _label(name: str, how: str, st: Stats | None, scheme: Scheme, awq_folded: set[str]) -> tuple[str, str | None]:
     """(method, fallback reason or None) for the report."""
-    if scheme.kind == "fp8-block" or scheme.method == "rtn":
+    if scheme.kind in ("fp8-block", "fp8") or scheme.method == "rtn":
         return how, None
     if st is None or st.n <= 0:
         return "rtn", "no calibration tokens reached it: RTN"
@@ -188,7 +223,7 @@ def quantize_model(model: nnx.Module, scheme: Scheme, batches: Sequence[tuple[np
     for path, node in nnx.iter_graph(model):
         if getattr(node, "lora_a", None) is not None or getattr(node, "gate_up_lora_a", None) is not None:
             raise ValueError(f"{hf_name(path)} has a LoRA adapter: merge it (models.merge_lora) before quantizing")
-    units = quant_units(model, ignore)
+    units = quant_units(model, ignore, scheme)  # mxfp4a16 on GPT-OSS: the experts only (targets.py)
     if not units:
         raise ValueError("nothing to quantize: every Linear is ignored")
     check_supported(units, scheme)
@@ -196,7 +231,12 @@ def quantize_model(model: nnx.Module, scheme: Scheme, batches: Sequence[tuple[np
     if not batches:  # RTN and FP8 need no data (the report then has weight errors only); GPTQ / AWQ do
         if scheme.kind in ("int", "fp4") and scheme.method != "rtn":
             raise ValueError(f"scheme {scheme.name}: {scheme.method.upper()} needs calibration data")
+        if scheme.static_act or scheme.smooth:
+            what = "SmoothQuant" if scheme.smooth else "its static activation scales"
+            raise ValueError(f"scheme {scheme.name}: {what} need calibration data")
         rows = [r for u in units for r in _quantize_unit(u, {}, scheme, opts, globals_=globals_)]
+        for u in units:
+            _set_unit_activations(u, {}, scheme)
         model.quant_scheme, model.quant_ignore = scheme, tuple(ignore)
         return {"scheme": scheme.name, "modules": rows, "awq": [], "seconds": time.perf_counter() - t0,
                 "calibration_tokens": 0}
@@ -205,25 +245,32 @@ def quantize_model(model: nnx.Module, scheme: Scheme, batches: Sequence[tuple[np
     segs = [jnp.asarray(seg, jnp.int32) for _, seg in batches]
     rows: list[dict[str, Any]] = []
     awq_rows: list[dict[str, Any]] = []
+    smooth_rows: list[dict[str, Any]] = []
     for i in range(L):
         layer_units = [u for u in units if u.layer == i]
         stats = collect_stats(model, xs, segs, i, layer_units, expert_chunk=opts.expert_chunk) if layer_units \
             else {}
+        if scheme.smooth:
+            smooth_rows += smooth_layer(model.layers[i], i, stats, layer_units, opts.smoothquant_alpha)
         if scheme.method == "awq":
             awq_rows += awq_layer(model.layers[i], i, stats, layer_units, scheme, opts)
         folded = {m for r in awq_rows for m in r["modules"]}
         for u in layer_units:
             rows += _quantize_unit(u, stats, scheme, opts, folded, globals_)
+            if note := _set_unit_activations(u, stats, scheme):
+                rows[-1]["act_fallback"] = note
         xs = [_layer_forward(model, x, seg, i) for x, seg in zip(xs, segs, strict=True)]  # quantized layer's output
     for u in units:  # modules the main stack never runs (e.g. DeepSeek/GLM MTP layers): no calibration
         if u.layer is None or u.layer >= L:
             rows += _quantize_unit(u, {}, scheme, opts, globals_=globals_)
+            if note := _set_unit_activations(u, {}, scheme):
+                rows[-1]["act_fallback"] = note
     model.quant_scheme, model.quant_ignore = scheme, tuple(ignore)
     missing = [u.name for u in units if not _unit_quantized(u)]
     if missing:  # coverage: every selected module must come out quantized (issue trackers; docs/quantization.md)
         raise AssertionError(f"not quantized: {missing}")
-    return {"scheme": scheme.name, "modules": rows, "awq": awq_rows, "seconds": time.perf_counter() - t0,
-            "calibration_tokens": calibration_tokens(batches)}
+    return {"scheme": scheme.name, "modules": rows, "awq": awq_rows, "smoothquant": smooth_rows,
+            "seconds": time.perf_counter() - t0, "calibration_tokens": calibration_tokens(batches)}
 
 
 def _unit_quantized(u: Unit) -> bool:

@@ -38,10 +38,23 @@ import ml_dtypes
 import numpy as np
 from jax import lax
 
+from models.numerics import (  # noqa: F401 - the number formats this math rounds to, re-exported
+    E2M1_VALUES,
+    F32_EPS,
+    FP4_MAX,
+    FP8_EPS,
+    FP8_MAX,
+    e2m1_index,
+    e8m0_code,
+    mx_scale_jax,
+    nvfp4_global_scale,
+    nvfp4_group_scale,
+    round_e2m1,
+)
+from models.numerics import div as _div
 from models.quant.schemes import FP4_GROUP, IntArgs  # noqa: F401 - the settings this math takes, re-exported
 
-FP8_MAX = 448.0
-_EPS = float(np.finfo(np.float32).eps)  # compressed-tensors' zero-scale replacement for float32 scales
+_EPS = F32_EPS  # compressed-tensors' zero-scale replacement for float32 scales
 _HI = lax.Precision.HIGHEST  # full-fp32 matmuls also on GPUs that default to TF32
 
 
@@ -49,13 +62,6 @@ class QTensor(NamedTuple):
     q: np.ndarray  # int8 [out, in], signed codes in qrange
     scale: np.ndarray  # float32 [out, G]
     zero: np.ndarray | None  # int8 [out, G] (asymmetric only), signed, in qrange; None when symmetric
-
-
-def _div(a: jnp.ndarray, b) -> jnp.ndarray:
-    """a / b as a true IEEE division. XLA rewrites `x / broadcast(y)` into `x * broadcast(1 / y)`, which is
-    off by an ulp and would break bit-exact agreement with compressed-tensors; the barrier stops that."""
-    b = jnp.broadcast_to(jnp.asarray(b, a.dtype), jnp.broadcast_shapes(jnp.shape(a), jnp.shape(b)))
-    return a / lax.optimization_barrier(b)
 
 
 def _f32(x) -> jnp.ndarray:
@@ -431,10 +437,6 @@ def dequantize_fp8_block(q, scale, block: tuple[int, int] = (128, 128)) -> np.nd
 #   codes = e2m1(clamp(w / scale_g, ±6)).
 # Rounding to E2M1 is round-half-to-even on the value grid (compressed-tensors `cast_to_fp4`).
 
-FP4_MAX = 6.0
-FP8_EPS = 0.125  # compressed-tensors' replacement for a zero FP8 scale (`_get_dtype_eps`)
-
-
 class FP4Tensor(NamedTuple):
     q: np.ndarray  # float32 [out, in], E2M1 values (a negative w rounded to zero is -0: its code has the sign bit)
     scale: np.ndarray  # float32 [out, G]: FP8-E4M3 values (NVFP4) or powers of two (MXFP4)
@@ -443,34 +445,7 @@ class FP4Tensor(NamedTuple):
 
 # Host (numpy) code: XLA's CPU and GPU backends flush subnormal floats to zero, which an MXFP4 scale of
 # 2^-127 (an all-zero group) and tiny weights need; numpy keeps IEEE semantics, so the codes match
-# compressed-tensors' bit for bit on any machine.
-E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], np.float32)
-# (boundary, inclusive): |x| passes it when |x| > b, or |x| >= b where the tie rounds up (to the even code)
-_E2M1_BOUNDS = ((0.25, False), (0.75, True), (1.25, False), (1.75, True), (2.5, False), (3.5, True), (5.0, False))
-
-
-def e2m1_index(x, xp=np):
-    """|x| (x within ±6) -> the index 0..7 of its nearest E2M1 magnitude, ties to the even code. `xp`: numpy
-    (host) or jax.numpy (inside GPTQ's jitted loop) - the same comparisons either way."""
-    a = xp.abs(x)
-    return sum(((a >= b) if inclusive else (a > b)).astype(xp.uint8) for b, inclusive in _E2M1_BOUNDS)
-
-
-def round_e2m1(x, xp=np):
-    """x -> the nearest E2M1 value (float32), clamped to ±6, ties to even; a negative x that rounds to zero
-    gives -0 (its code carries the sign bit), -0 itself gives +0, as torch's `sign(x) · |r|` does."""
-    x = xp.clip(xp.asarray(x, xp.float32), -FP4_MAX, FP4_MAX)
-    r = xp.asarray(E2M1_VALUES)[e2m1_index(x, xp)]
-    return xp.where(x < 0, -r, r)
-
-
-def nvfp4_global_scale(amax) -> np.ndarray:
-    """The NVFP4 global scale float32 [1] for a tensor (or fused tensors) whose largest |w| is `amax`."""
-    a = np.maximum(np.float32(amax), np.finfo(np.float32).tiny)
-    with np.errstate(over="ignore", divide="ignore"):
-        # torch's `scalar / tensor` is `tensor.reciprocal() * scalar`: two float32 roundings, kept for bit parity
-        g = (np.float32(1.0) / a) * np.float32(FP8_MAX * FP4_MAX)
-    return np.asarray([g if np.isfinite(g) else np.float32(1.0)], np.float32)
+# compressed-tensors' bit for bit on any machine. (E2M1 rounding, E8M0 codes: models/numerics.py.)
 
 
 def _global(t: np.ndarray, global_scale) -> np.ndarray:
@@ -502,17 +477,9 @@ def nvfp4(w, global_scale=None) -> FP4Tensor:
     return FP4Tensor(q.reshape(t.shape[0], -1), s, g)
 
 
-def _e8m0(bits, xp=np, lowest: int = 0):
-    """The E8M0 code of amax's float32 bits (int32; `xp` numpy or jax.numpy): its biased exponent once amax is
-    rounded to a power of two (a mantissa of 0.75 or more rounds up), minus floor(log2 6) = 2, clamped to
-    lowest..255."""
-    rounded = (bits + (1 << 21)) & (0xFF << 23)  # amax >= 0: keep the exponent
-    return xp.clip((rounded >> 23) - 2, lowest, 255)
-
-
 def mx_scale(amax: np.ndarray) -> np.ndarray:
-    """Per-group amax float32 -> its E8M0 code uint8 (`_e8m0`)."""
-    return _e8m0(np.asarray(amax, np.float32).view(np.int32)).astype(np.uint8)
+    """Per-group amax float32 -> its E8M0 code uint8 (`models.numerics.e8m0_code`)."""
+    return e8m0_code(np.asarray(amax, np.float32).view(np.int32)).astype(np.uint8)
 
 
 def mx_scale_value(code: np.ndarray) -> np.ndarray:
@@ -552,12 +519,8 @@ def _fp4_group_scale(amax: jnp.ndarray, fp4: str, gscale) -> tuple[jnp.ndarray, 
     to zero, so the MXFP4 code is at least 1 here (2^-126 instead of 2^-127 for an all-zero group, whose
     codes are 0 either way); `mxfp4` (numpy) keeps 0."""
     if fp4 == "nvfp4":
-        s = jnp.clip(gscale * _div(amax, jnp.float32(FP4_MAX)), -FP8_MAX, FP8_MAX)
-        s = s.astype(jnp.float8_e4m3fn).astype(jnp.float32)
-        s = jnp.where(s == 0, jnp.float32(FP8_EPS), s)
-        return _div(s, gscale), s
-    code = _e8m0(lax.bitcast_convert_type(amax, jnp.int32), jnp, lowest=1)
-    s = lax.bitcast_convert_type((code << 23).astype(jnp.int32), jnp.float32)
+        return nvfp4_group_scale(amax, gscale)
+    s = mx_scale_jax(amax)
     return s, s
 
 

@@ -15,8 +15,19 @@ Schemes (names are also the artifact folders and the eval report keys):
                                     scale per tensor (shared by fused q/k/v and gate/up); RTN, or GPTQ
   mxfp4a16[-gptq]                   FP4 (E2M1) weights, a power-of-two (E8M0) scale per 32 values (OCP MX)
 
+Schemes that also quantize each quantized Linear's (and expert's) input activations, as the engine will
+(models/numerics.py `quantize_activation`; our forward simulates it, so eval sees what users get):
+  fp8-dynamic                       W8A8 FP8: FP8 weights per output channel, FP8 activations per token (dynamic)
+  int8-w8a8[-gptq][-nosmooth]       W8A8 int8: int8 weights per channel, int8 activations per token (dynamic),
+                                    after SmoothQuant (arXiv:2211.10438) unless -nosmooth
+  w4afp8[-gptq][-g<N>]              int4 weights (group N, 128 by default), FP8 activations per token
+  nvfp4[-gptq]                      W4A4 NVFP4: NVFP4 weights and activations (an FP8 scale per 16 values,
+                                    the activations' global scale calibrated: it needs calibration data)
+  mxfp4[-gptq]                      W4A4 MXFP4: MXFP4 weights and activations (dynamic E8M0 scales per 32)
+
 The int schemes are compressed-tensors' weight-only presets W8A16, W4A16 and W4A16_ASYM with a free group
-size, fp8-block its FP8_BLOCK preset and nvfp4a16 / mxfp4a16 its NVFP4A16 / MXFP4A16 presets (compressed-tensors
+size, fp8-block its FP8_BLOCK preset, nvfp4a16 / mxfp4a16 its NVFP4A16 / MXFP4A16 presets, and fp8-dynamic,
+int8-w8a8, w4afp8, nvfp4, mxfp4 its FP8_DYNAMIC, W8A8, W4AFP8, NVFP4 and MXFP4 presets (compressed-tensors
 `quantization/quant_scheme.py`); the methods
 are RTN, GPTQ (arXiv:2210.17323) and AWQ (arXiv:2306.00978). See docs/quantization.md (schemes, GPTQ,
 AWQ, RTN) and docs/formats/compressed-tensors.md (how each scheme is written).
@@ -31,7 +42,8 @@ import re
 FP8_BLOCK = 128  # fp8-block: one scale per FP8_BLOCK x FP8_BLOCK tile
 FP4_GROUP = {"nvfp4": 16, "mxfp4": 32}  # values per scale of the FP4 formats
 
-FP4_RE = re.compile(r"(?P<fmt>nvfp4|mxfp4)a16(?P<gptq>-gptq)?")
+FP4_RE = re.compile(r"(?P<fmt>nvfp4|mxfp4)(?P<a16>a16)?(?P<gptq>-gptq)?")
+W8A8_RE = re.compile(r"(?P<w>int8-w8a8|w4afp8)(?P<gptq>-gptq)?(?P<nosmooth>-nosmooth)?(?:-g(?P<group>\d+))?")
 SCHEME_RE = re.compile(r"(?P<w>w4a16|w8a16)(?P<asym>-asym)?-(?P<method>rtn|gptq|awq)(?P<act>-actorder)?"
                        r"(?:-g(?P<group>\d+))?")
 
@@ -62,13 +74,20 @@ class IntArgs:
 @dataclasses.dataclass(frozen=True)
 class Scheme:
     name: str
-    kind: str  # "int" | "fp8-block" | "fp4"
+    kind: str  # "int" | "fp8-block" | "fp8" (per output channel) | "fp4"
     bits: int = 8
     group_size: int | None = None  # None: one scale per output channel
     symmetric: bool = True
     method: str = "rtn"  # rtn | gptq | awq (fp8-block: rtn)
     actorder: bool = False
     fp4: str | None = None  # kind "fp4": "nvfp4" | "mxfp4"
+    act: str | None = None  # input activations: None (weight-only) | "fp8" | "int8" | "nvfp4" | "mxfp4"
+    smooth: bool = False  # SmoothQuant before quantizing (int8-w8a8)
+
+    @property
+    def static_act(self) -> bool:
+        """The activations have a calibrated (static) part: NVFP4's global input scale."""
+        return self.act == "nvfp4"
 
     @property
     def args(self) -> IntArgs:
@@ -86,11 +105,24 @@ def parse_scheme(name: str) -> Scheme:
         return Scheme("int8", "int", 8, None, True, "rtn")
     if name == "fp8-block":
         return Scheme("fp8-block", "fp8-block", 8)
+    if name == "fp8-dynamic":
+        return Scheme("fp8-dynamic", "fp8", 8, None, True, "rtn", act="fp8")
     if m := FP4_RE.fullmatch(name):
-        return Scheme(name, "fp4", 4, FP4_GROUP[m["fmt"]], True, "gptq" if m["gptq"] else "rtn", fp4=m["fmt"])
+        return Scheme(name, "fp4", 4, FP4_GROUP[m["fmt"]], True, "gptq" if m["gptq"] else "rtn", fp4=m["fmt"],
+                      act=None if m["a16"] else m["fmt"])
+    if m := W8A8_RE.fullmatch(name):
+        int8 = m["w"] == "int8-w8a8"
+        if (m["nosmooth"] and not int8) or (m["group"] and int8):
+            raise ValueError(f"scheme {name!r}: -nosmooth applies to int8-w8a8 only, -g<N> to w4afp8 only")
+        group = None if int8 else int(m["group"] or 128)
+        if group is not None and group <= 0:
+            raise ValueError(f"scheme {name!r}: group size must be positive")
+        return Scheme(name, "int", 8 if int8 else 4, group, True, "gptq" if m["gptq"] else "rtn",
+                      act="int8" if int8 else "fp8", smooth=int8 and not m["nosmooth"])
     m = SCHEME_RE.fullmatch(name)
     if m is None:
-        raise ValueError(f"unknown quantization scheme {name!r} (known: int8, fp8-block, nvfp4a16|mxfp4a16[-gptq], "
+        raise ValueError(f"unknown quantization scheme {name!r} (known: int8, fp8-block, fp8-dynamic, "
+                         "nvfp4|mxfp4[a16][-gptq], int8-w8a8[-gptq][-nosmooth], w4afp8[-gptq][-g<N>], "
                          "w4a16|w8a16[-asym]-rtn|gptq|awq[-actorder][-g<N>], e.g. w4a16-gptq, w4a16-asym-awq-g64)")
     bits = 4 if m["w"] == "w4a16" else 8
     group = int(m["group"]) if m["group"] else (128 if bits == 4 else None)
@@ -109,8 +141,11 @@ class Options:
     dampening_frac: float = 0.01
     expert_min_tokens: int = 16  # fewer routed tokens: GPTQ on the layer's pooled expert statistics
     awq_grid: int = 20
+    smoothquant_alpha: float = 0.5  # SmoothQuant migration strength α (llm-compressor's smoothing_strength)
     expert_chunk: int = 8  # experts per Hessian chunk: peak expert-Hessian memory is expert_chunk x in² floats
 
     def __post_init__(self) -> None:
         if self.expert_chunk < 1:
             raise ValueError(f"expert_chunk must be >= 1, got {self.expert_chunk}")
+        if not 0.0 <= self.smoothquant_alpha <= 1.0:
+            raise ValueError(f"smoothquant_alpha must be in [0, 1], got {self.smoothquant_alpha}")

@@ -34,16 +34,18 @@ from models.quant.targets import quant_units
 @dataclasses.dataclass
 class QMatrix:
     """One quantized weight in the HF orientation: codes [out, in] (int8 or float8_e4m3fn), scale [out, G]
-    (or FP8 tiles [out/128, in/128]), zero [out, G] or None, NVFP4's global scale [1] or None."""
+    (or FP8 tiles [out/128, in/128]), zero [out, G] or None, NVFP4's global scale [1] or None, and NVFP4
+    activations' global input scale [1] or None."""
 
     q: np.ndarray
     scale: np.ndarray
     zero: np.ndarray | None = None
     global_scale: np.ndarray | None = None
+    input_global: np.ndarray | None = None
 
 
 def _codes_dtype(scheme_kind: str) -> Any:
-    return jnp.float8_e4m3fn if scheme_kind in ("fp8-block", "fp4") else jnp.int8
+    return jnp.float8_e4m3fn if scheme_kind in ("fp8-block", "fp8", "fp4") else jnp.int8
 
 
 def set_linear(lin: Linear, qm: QMatrix, kind: str, bits: int = 8) -> None:
@@ -90,22 +92,41 @@ def set_experts(ex: Experts, gate: Sequence[QMatrix], up: Sequence[QMatrix], dow
     ex.qbits = bits
 
 
+def set_activations(m: Linear | Experts, act: str | None,
+                    input_global: np.ndarray | dict[str, np.ndarray] | None = None) -> None:
+    """Have a quantized module quantize its input activations (`act`: models/numerics.py kinds, None: off).
+    `input_global`: NVFP4's calibrated global input scale, [1] for a Linear; for experts {"gate_up": [E, 1],
+    "down": [E, 1]}."""
+    m.input_quant = act
+    if isinstance(m, Linear):
+        m.input_global = None if input_global is None else param(
+            jnp.asarray(input_global, jnp.float32).reshape(1), (None,), QuantScale)
+        return
+    for w in ("gate_up", "down"):
+        g = None if input_global is None else param(
+            jnp.asarray(input_global[w], jnp.float32).reshape(m.num_experts, 1), ("expert", None), QuantScale)
+        setattr(m, f"{w}_input_global", g)
+
+
 def linear_qmatrix(lin: Linear) -> QMatrix:
     return QMatrix(np.asarray(lin.qweight[...]).T, np.asarray(lin.scale[...], np.float32).T,
                    None if lin.zero is None else np.asarray(lin.zero[...]).T,
-                   None if lin.qglobal is None else np.asarray(lin.qglobal[...], np.float32))
+                   None if lin.qglobal is None else np.asarray(lin.qglobal[...], np.float32),
+                   None if lin.input_global is None else np.asarray(lin.input_global[...], np.float32))
 
 
 def expert_qmatrices(ex: Experts) -> Iterator[tuple[int, str, QMatrix]]:
     """(expert, "gate_proj" | "up_proj" | "down_proj", QMatrix in the HF orientation) of quantized experts."""
     I = ex.intermediate_size
     for w in ("gate_up", "down"):
-        q, s, z, g = (getattr(ex, f"{w}_{p}") for p in ("q", "scale", "zero", "global"))
+        q, s, z, g, a = (getattr(ex, f"{w}_{p}") for p in ("q", "scale", "zero", "global", "input_global"))
         q, s = np.asarray(q[...]), np.asarray(s[...], np.float32)
         z = None if z is None else np.asarray(z[...])
         g = None if g is None else np.asarray(g[...], np.float32)  # [E, 1]
+        a = None if a is None else np.asarray(a[...], np.float32)  # [E, 1]
         for e in range(q.shape[0]):
-            m = QMatrix(q[e].T, s[e].T, None if z is None else z[e].T, None if g is None else g[e])
+            m = QMatrix(q[e].T, s[e].T, None if z is None else z[e].T, None if g is None else g[e],
+                        None if a is None else a[e])
             if w == "down":
                 yield e, "down_proj", m
                 continue
@@ -113,7 +134,7 @@ def expert_qmatrices(ex: Experts) -> Iterator[tuple[int, str, QMatrix]]:
             for part, rows, srows in (("gate_proj", slice(0, I), slice(0, st)),
                                       ("up_proj", slice(I, 2 * I), slice(st, None))):
                 yield e, part, QMatrix(m.q[rows], m.scale[srows], None if m.zero is None else m.zero[rows],
-                                       m.global_scale)
+                                       m.global_scale, m.input_global)
 
 
 def iter_qmatrices(model: nnx.Module) -> Iterator[tuple[str, QMatrix, Any]]:
@@ -151,6 +172,8 @@ def scheme_of(model: nnx.Module) -> Scheme:
             continue
         if m.qblock is not None:
             return parse_scheme("fp8-block")
+        if m.input_quant is not None:
+            raise ValueError("a model with quantized activations carries its scheme (quant_scheme)")
         G = s[...].shape[-2]
         codes = m.qweight if isinstance(m, Linear) else m.gate_up_q
         if codes[...].dtype == jnp.float8_e4m3fn:  # FP4 values held as float8: the group size tells the format

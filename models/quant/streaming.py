@@ -8,7 +8,9 @@ that holds one tensor at a time. The same idea as llm-compressor's model-free PT
 
 1. The model is built abstractly from config.json (`nnx.eval_shape`: no weights) only to ask `quant_units`
    which tensors are quantized: exactly the modules the in-model quantizer (models/quant/driver.py) picks,
-   `ignore` included, and `check_supported` refuses what it refuses (GPT-OSS's fused experts).
+   `ignore` included, and `check_supported` refuses what it refuses. GPT-OSS's fused experts are refused
+   here for every scheme: their one layout, GPT-OSS's MXFP4 (mxfp4a16), is written by the quantize stage
+   (`quantize_model` + `save_pretrained`, models/quant/formats/mxfp4.py), not by this per-tensor writer.
 2. Published quantized sources are read dequantized (DeepSeek FP8 blocks, GPT-OSS MXFP4:
    models/quant/formats/dequantizing.py); a compressed-tensors source is refused (already quantized).
 3. NVFP4 only: a first pass reads each fused group's tensors (q/k/v, MLA q_a/kv_a, gate/up; each expert's
@@ -26,7 +28,8 @@ that holds one tensor at a time. The same idea as llm-compressor's model-free PT
    renamed into place at the end; a remote one gets config.json last and, on any failure, everything this
    run uploaded is removed: a reader never sees a half-written checkpoint.
 
-Round-to-nearest schemes only (int8, w4a16/w8a16-rtn, fp8-block, nvfp4a16, mxfp4a16): GPTQ and AWQ need
+Round-to-nearest schemes only (int8, w4a16/w8a16-rtn, fp8-block, fp8-dynamic, nvfp4a16, mxfp4a16, and
+w4afp8 / mxfp4 whose activation scales are dynamic): GPTQ, AWQ, SmoothQuant and NVFP4 activations need
 calibration activations, which need the model (the quantize stage). See docs/quantization.md.
 """
 
@@ -53,7 +56,7 @@ from models.quant.driver import fused_groups, quantize_matrix
 from models.quant.formats.compressed_tensors import _tensors_for, compressed_tensors_config, tensor_specs
 from models.quant.formats.dequantizing import DequantizingCheckpoint
 from models.quant.schemes import Options, Scheme
-from models.quant.targets import check_supported, quant_units
+from models.quant.targets import check_supported, is_gpt_oss_experts, quant_units
 
 log = logging.getLogger("forgeline.quantize")
 
@@ -68,6 +71,10 @@ def quantized_tensors(model: nnx.Module, scheme: Scheme, ignore: Sequence[str]) 
     units = quant_units(model, ignore)
     if not units:
         raise ValueError("nothing to quantize: every Linear is ignored")
+    if gpt_oss := [u.name for u in units if is_gpt_oss_experts(u.module)]:
+        raise ValueError(f"quantize_checkpoint: {gpt_oss[0]}: GPT-OSS's fused experts are not quantized by "
+                         "streaming quantization (their MXFP4 layout is written by quantize_model + save_pretrained "
+                         "with mxfp4a16); add 're:.*mlp\\.experts' to ignore")
     check_supported(units, scheme)
     out = {}
     for u in units:
@@ -154,6 +161,10 @@ def quantize_checkpoint(src: str, out: str, scheme: Scheme, *, ignore: Sequence[
     docstring). Returns a report: tensors quantized and copied, bytes written, seconds."""
     from models.hf import SafetensorsCheckpoint, load_config
 
+    if scheme.smooth or scheme.static_act:
+        what = "SmoothQuant" if scheme.smooth else "its static activation scales (NVFP4 activations)"
+        raise ValueError(f"scheme {scheme.name}: {what} need calibration activations, which need the model; "
+                         "quantize it in the release's quantize stage instead")
     if scheme.kind in ("int", "fp4") and scheme.method != "rtn":
         raise ValueError(f"scheme {scheme.name}: {scheme.method.upper()} needs calibration activations, which need "
                          "the model: use the quantize stage (streaming quantization is round-to-nearest)")

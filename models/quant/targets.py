@@ -5,7 +5,12 @@ less what `ignore` matches (module names, or regexes prefixed `re:`, the way com
 Every Linear except `lm_head` and MTP layers' `eh_proj` (ALWAYS_IGNORED), and every expert, is quantized
 unless it matches `ignore`; routers, norms and embeddings are never Linears here, so they always stay
 float. An Experts stack is quantized whole or not at all (an engine loads a stack with one format), and
-a group size must divide every quantized input width. See docs/quantization.md.
+a group size must divide every quantized input width.
+
+GPT-OSS's fused experts (`hf_layout == "gpt_oss"`) have one layout on disk, GPT-OSS's own MXFP4
+(models/quant/formats/mxfp4.py), so only `mxfp4a16[-gptq]` quantizes them; and as in the published
+checkpoint (and as transformers' single-method `quantization_config` requires), that scheme then quantizes
+ONLY the experts: attention Linears stay float (`quant_units(..., scheme)`). See docs/quantization.md.
 """
 
 from __future__ import annotations
@@ -52,11 +57,21 @@ def expert_names(prefix: str, experts: Experts) -> list[str]:
     return [f"{prefix}.{e}.{p}" for e in range(experts.num_experts) for p in ("gate_proj", "up_proj", "down_proj")]
 
 
-def quant_units(model: nnx.Module, ignore: Sequence[str] = ()) -> list[Unit]:
+def is_gpt_oss_experts(module: Any) -> bool:
+    return isinstance(module, Experts) and module.hf_layout == "gpt_oss"
+
+
+def gpt_oss_mxfp4(scheme: Scheme) -> bool:
+    """Whether `scheme` writes GPT-OSS's own MXFP4 expert layout: weight-only MXFP4 (mxfp4a16, RTN or GPTQ)."""
+    return scheme.kind == "fp4" and scheme.fp4 == "mxfp4" and scheme.act is None
+
+
+def quant_units(model: nnx.Module, ignore: Sequence[str] = (), scheme: Scheme | None = None) -> list[Unit]:
     """Every Linear (but lm_head) and Experts stack not matched by `ignore`, in a stable order.
 
     An Experts stack is matched by its own name or by all of its per-expert names; ignoring only some
-    experts of a stack is refused (an engine loads a stack with one format)."""
+    experts of a stack is refused (an engine loads a stack with one format). With `scheme` mxfp4a16 and
+    GPT-OSS experts among them, only the experts: GPT-OSS's MXFP4 checkpoint keeps every Linear float."""
     units = []
     for path, node in nnx.iter_graph(model):
         if isinstance(node, Linear):
@@ -72,6 +87,8 @@ def quant_units(model: nnx.Module, ignore: Sequence[str] = ()) -> list[Unit]:
                 raise ValueError(f"quantize.ignore matches only some of {name}'s experts; ignore the whole "
                                  f"stack ({name!r}) or none of it")
             units.append(Unit(name, tuple(path), node))
+    if scheme is not None and gpt_oss_mxfp4(scheme) and any(is_gpt_oss_experts(u.module) for u in units):
+        units = [u for u in units if isinstance(u.module, Experts)]
     return units
 
 
@@ -96,11 +113,19 @@ def check_divisible(units: Sequence[Unit], scheme: Scheme) -> None:
 
 
 def check_supported(units: Sequence[Unit], scheme: Scheme) -> None:
-    """check_divisible, and no GPT-OSS fused experts (they have no compressed-tensors layout)."""
+    """check_divisible, and GPT-OSS's fused experts only with mxfp4a16[-gptq] (their one on-disk layout is
+    GPT-OSS's MXFP4; they have no compressed-tensors one), and then no Linear beside them (`quant_units`
+    with the scheme leaves them out: GPT-OSS's checkpoint keeps attention float)."""
+    gpt_oss = [u.name for u in units if is_gpt_oss_experts(u.module)]
+    if gpt_oss and not gpt_oss_mxfp4(scheme):
+        raise ValueError(f"quantize: scheme {scheme.name}: {gpt_oss[0]}: GPT-OSS's fused experts are written only "
+                         "in GPT-OSS's own MXFP4 layout: quantize them with mxfp4a16 (or mxfp4a16-gptq), or add "
+                         "'re:.*mlp\\.experts' to quantize.ignore")
+    if gpt_oss and (linears := [u.name for u in units if isinstance(u.module, Linear)]):
+        raise ValueError(f"quantize: scheme {scheme.name}: {linears[0]}: with GPT-OSS's MXFP4 experts every Linear "
+                         "stays float (one quantization_config per checkpoint); select the units with "
+                         "quant_units(model, ignore, scheme)")
     check_divisible(units, scheme)
-    if gpt_oss := [u.name for u in units if isinstance(u.module, Experts) and u.module.hf_layout == "gpt_oss"]:
-        raise ValueError(f"{gpt_oss[0]}: GPT-OSS's fused experts have no compressed-tensors layout (the model "
-                         "ships them in MXFP4); add 're:.*mlp\\.experts' to quantize.ignore")
 
 
 def _module(root: nnx.Module, rel: str) -> Any:

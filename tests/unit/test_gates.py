@@ -113,3 +113,13 @@ def test_export_records_waivers_in_lineage_and_model_card(tmp_path):
     card = Path(tmp_path / "out" / "README.md").read_text()
     assert "**Waivers:**" in card and "not the promoted release" in card and "## Waivers" in card
     assert (tmp_path / "out" / "draft" / "sglang" / "config.json").exists() and "draft/sglang" in card
+
+
+def test_quant_limits_take_the_longest_scheme_prefix_with_a_limit():
+    g = Gates()
+    assert g.quant_limit("int8-w8a8-gptq") == g.quant_limit("int8-w8a8") == 0.01  # not int8's weight-only limit
+    assert g.quant_limit("int8") == 0.005 and g.quant_limit("w4a16-asym-gptq-g64") == 0.02
+    assert (g.quant_limit("nvfp4-gptq"), g.quant_limit("nvfp4a16-gptq")) == (0.06, 0.03)
+    assert g.quant_limit("w4afp8-g64", "max_quant_flip_rate") == 0.1
+    with pytest.raises(ValueError, match="no limit for scheme 'w3a16'"):
+        Gates(max_quant_ppl_increase={"int8": 0.01}).quant_limit("w3a16")

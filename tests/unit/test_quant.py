@@ -63,9 +63,23 @@ def test_scheme_names():
     assert (s.kind, s.bits, s.group_size, s.method, s.fp4) == ("fp4", 4, 16, "gptq", "nvfp4")
     s = quant.parse_scheme("mxfp4a16")
     assert (s.kind, s.group_size, s.method, s.fp4) == ("fp4", 32, "rtn", "mxfp4")
-    for bad in ("nvfp4a16-awq", "mxfp4", "nvfp4a16-g32"):  # no AWQ, no activation scheme yet, fixed groups
+    for bad in ("nvfp4a16-awq", "nvfp4a16-g32", "int8-w8a8-awq", "fp8-dynamic-gptq"):  # no AWQ, fixed groups
         with pytest.raises(ValueError, match="unknown quantization scheme"):
             quant.parse_scheme(bad)
+    # schemes that quantize activations too (compressed-tensors' FP8_DYNAMIC, W8A8, W4AFP8, NVFP4, MXFP4)
+    s = quant.parse_scheme("fp8-dynamic")
+    assert (s.kind, s.group_size, s.act, s.smooth, s.static_act) == ("fp8", None, "fp8", False, False)
+    s = quant.parse_scheme("int8-w8a8-gptq")
+    assert (s.kind, s.bits, s.group_size, s.method, s.act, s.smooth) == ("int", 8, None, "gptq", "int8", True)
+    assert not quant.parse_scheme("int8-w8a8-nosmooth").smooth
+    s = quant.parse_scheme("w4afp8-g64")
+    assert (s.kind, s.bits, s.group_size, s.act) == ("int", 4, 64, "fp8")
+    assert quant.parse_scheme("w4afp8").group_size == 128
+    s = quant.parse_scheme("nvfp4-gptq")
+    assert (s.kind, s.fp4, s.method, s.act, s.static_act) == ("fp4", "nvfp4", "gptq", "nvfp4", True)
+    assert (quant.parse_scheme("mxfp4").act, quant.parse_scheme("mxfp4a16").act) == ("mxfp4", None)
+    with pytest.raises(ValueError, match="-nosmooth applies to int8-w8a8 only"):
+        quant.parse_scheme("w4afp8-nosmooth")
     with pytest.raises(ValueError, match="unknown quantization scheme 'w3a16-gptq'"):
         quant.parse_scheme("w3a16-gptq")
     with pytest.raises(ValueError, match="-actorder applies to GPTQ only"):

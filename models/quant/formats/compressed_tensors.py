@@ -6,15 +6,21 @@ the tensors of every quantized module, HF names, [out, in] layout, experts writt
   `weight_shape` [2], and `weight_zero_point` [ceil(out·b/32), G] packed along the output axis; mirrors
   compressed-tensors 0.20 `compressors/pack_quantized/base.py` and `compressors/pack_quantized/helpers.py`
   (`pack_to_int32` / `unpack_from_int32`).
-* `float-quantized` FP8 128x128 blocks: `weight` float8_e4m3fn and `weight_scale` float32 tiles; mirrors
-  `compressors/naive_quantized/base.py` (`FloatQuantizationCompressor`).
+* `float-quantized` FP8 128x128 blocks or per output channel (fp8-dynamic): `weight` float8_e4m3fn and
+  `weight_scale` float32 tiles / [out, 1]; mirrors `compressors/naive_quantized/base.py`
+  (`FloatQuantizationCompressor`).
+* `int-quantized` int8 per channel (int8-w8a8): `weight` int8 [out, in] and `weight_scale` [out, 1]
+  (`IntQuantizationCompressor`), the layout vLLM's W8A8 int8 kernels load.
 * `nvfp4-pack-quantized` / `mxfp4-pack-quantized` FP4: `weight_packed` uint8 [out, in/2] (two E2M1 codes a
   byte, the even element in the low nibble, code = sign bit 8 | magnitude index 0..7), `weight_scale`
   float8_e4m3fn [out, in/16] (NVFP4) or uint8 E8M0 exponents [out, in/32] (MXFP4, value 2^(e - 127)), and
   NVFP4's `weight_global_scale` float32 [1]; mirrors `compressors/nvfp4/` (`pack_fp4_to_uint8`) and
   `compressors/mxfp4/base.py` with `compressors/mx_utils.py`.
 * `quantization_config`: one config group targeting Linear (`quantization/quant_config.py`,
-  `quantization/quant_args.py`), `ignore` = the float modules and the routers.
+  `quantization/quant_args.py`), `ignore` = the float modules and the routers; `input_activations` as the
+  FP8_DYNAMIC, W8A8, W4AFP8, NVFP4 and MXFP4 presets have them (per-token dynamic FP8 / int8, NVFP4 groups
+  of 16 with a static global scale written per module as `input_global_scale` float32 [1], MXFP4 groups
+  of 32), `null` for weight-only schemes.
 
 See docs/formats/compressed-tensors.md.
 """
@@ -32,7 +38,7 @@ from flax import nnx
 from models.layers import Linear
 from models.moe import Experts
 from models.quant.schemes import FP4_GROUP, FP8_BLOCK, Scheme, parse_scheme
-from models.quant.state import QMatrix, iter_qmatrices, set_experts, set_linear
+from models.quant.state import QMatrix, iter_qmatrices, set_activations, set_experts, set_linear
 from models.quant.targets import ALWAYS_IGNORED, quant_units
 
 ROUTER_PATTERNS = (r"re:.*mlp\.gate$", r"re:.*mlp\.router$")  # written to `ignore` for engines that wrap routers
@@ -70,6 +76,7 @@ def unpack(packed: np.ndarray, bits: int, shape: tuple[int, int], axis: int = 1)
 
 
 FP4_FORMATS = {"nvfp4": "nvfp4-pack-quantized", "mxfp4": "mxfp4-pack-quantized"}
+ACT_SCHEMES = ("fp8-dynamic", "int8-w8a8", "w4afp8", "nvfp4", "mxfp4")  # with input_activations, as read back
 
 
 def pack_fp4(q: np.ndarray) -> np.ndarray:
@@ -98,27 +105,53 @@ def _weights_args(scheme: Scheme) -> dict[str, Any]:
                 "scale_dtype": "torch.float8_e4m3fn" if nv else "torch.uint8",
                 "zp_dtype": "torch.float8_e4m3fn" if nv else "torch.uint8",
                 "observer": "memoryless_minmax" if nv else "minmax", "observer_kwargs": {}}
-    if scheme.kind == "fp8-block":
-        return {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "block", "group_size": None,
-                "block_structure": [FP8_BLOCK, FP8_BLOCK], "dynamic": False, "actorder": None,
-                "observer": "minmax", "observer_kwargs": {}}
+    if scheme.kind in ("fp8-block", "fp8"):
+        block = scheme.kind == "fp8-block"
+        return {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "block" if block else "channel",
+                "group_size": None, "block_structure": [FP8_BLOCK, FP8_BLOCK] if block else None, "dynamic": False,
+                "actorder": None, "observer": "minmax", "observer_kwargs": {}}
     return {"num_bits": scheme.bits, "type": "int", "symmetric": scheme.symmetric,
             "strategy": "channel" if scheme.group_size is None else "group", "group_size": scheme.group_size,
             "block_structure": None, "dynamic": False, "actorder": "weight" if scheme.actorder else None,
             "observer": "minmax", "observer_kwargs": {}}
 
 
+def _input_args(scheme: Scheme) -> dict[str, Any] | None:
+    """The input_activations args of the scheme's compressed-tensors preset (None: weight-only)."""
+    if scheme.act is None:
+        return None
+    common = {"symmetric": True, "block_structure": None, "actorder": None, "observer_kwargs": {}}
+    if scheme.act in ("fp8", "int8"):
+        return {"num_bits": 8, "type": "float" if scheme.act == "fp8" else "int", "strategy": "token",
+                "group_size": None, "dynamic": True, "observer": None, **common}
+    nv = scheme.act == "nvfp4"
+    return {"num_bits": 4, "type": "float", "strategy": "tensor_group" if nv else "group",
+            "group_size": FP4_GROUP[scheme.act], "dynamic": "local" if nv else True,
+            "scale_dtype": "torch.float8_e4m3fn" if nv else "torch.uint8",
+            "zp_dtype": "torch.float8_e4m3fn" if nv else "torch.uint8",
+            "observer": "static_minmax" if nv else None, **common}
+
+
+def format_of(scheme: Scheme) -> str:
+    if scheme.kind == "fp4":
+        return FP4_FORMATS[scheme.fp4]
+    if scheme.kind in ("fp8-block", "fp8"):
+        return "float-quantized"
+    return "int-quantized" if scheme.act == "int8" else "pack-quantized"
+
+
 def compressed_tensors_config(scheme: Scheme, ignore: Sequence[str]) -> dict[str, Any]:
-    """`quantization_config` for config.json: one group targeting Linear with the scheme's weight args,
-    weight-only (activations stay in the serving dtype), and the modules left in float."""
-    fmt = FP4_FORMATS[scheme.fp4] if scheme.kind == "fp4" else \
-        "float-quantized" if scheme.kind == "fp8-block" else "pack-quantized"
+    """`quantization_config` for config.json: one group targeting Linear with the scheme's weight args and
+    input activation args (null: weight-only, activations stay in the serving dtype), and the modules
+    left in float."""
+    fmt = format_of(scheme)
     return {
         "quant_method": "compressed-tensors",
         "format": fmt,
         "quantization_status": "compressed",
         "config_groups": {"group_0": {"targets": ["Linear"], "weights": _weights_args(scheme),
-                                      "input_activations": None, "output_activations": None, "format": fmt}},
+                                      "input_activations": _input_args(scheme), "output_activations": None,
+                                      "format": fmt}},
         "ignore": list(dict.fromkeys([*ALWAYS_IGNORED, *ROUTER_PATTERNS, *ignore])),
         "kv_cache_scheme": None,
         "sparsity_config": {},
@@ -133,6 +166,16 @@ def _tensors_for(name: str, qm: QMatrix, scheme: Scheme, scale_dtype: Any) -> di
 
 
 def _tensors_raw(name: str, qm: QMatrix, scheme: Scheme, scale_dtype: Any) -> dict[str, np.ndarray]:
+    out = _weight_tensors(name, qm, scheme, scale_dtype)
+    if scheme.static_act:
+        if qm.input_global is None:
+            raise ValueError(f"{name}: scheme {scheme.name} quantizes activations but the module has no input "
+                             "global scale")
+        out[f"{name}.input_global_scale"] = np.asarray(qm.input_global, np.float32).reshape(1)
+    return out
+
+
+def _weight_tensors(name: str, qm: QMatrix, scheme: Scheme, scale_dtype: Any) -> dict[str, np.ndarray]:
     if scheme.kind == "fp4":
         from models.quant.quantizers import mx_code
         out = {f"{name}.weight_packed": pack_fp4(qm.q)}
@@ -142,9 +185,11 @@ def _tensors_raw(name: str, qm: QMatrix, scheme: Scheme, scale_dtype: Any) -> di
         else:  # E8M0 codes
             out[f"{name}.weight_scale"] = mx_code(qm.scale)
         return out
-    if scheme.kind == "fp8-block":
+    if scheme.kind in ("fp8-block", "fp8"):
         return {f"{name}.weight": np.asarray(qm.q).astype(ml_dtypes.float8_e4m3fn),
                 f"{name}.weight_scale": qm.scale.astype(scale_dtype)}
+    if format_of(scheme) == "int-quantized":
+        return {f"{name}.weight": np.asarray(qm.q, np.int8), f"{name}.weight_scale": qm.scale.astype(scale_dtype)}
     out = {f"{name}.weight_packed": pack(qm.q, scheme.bits), f"{name}.weight_scale": qm.scale.astype(scale_dtype),
            f"{name}.weight_shape": np.asarray(qm.q.shape, np.int32)}
     if qm.zero is not None:
@@ -155,6 +200,11 @@ def _tensors_raw(name: str, qm: QMatrix, scheme: Scheme, scale_dtype: Any) -> di
 def tensor_specs(name: str, out: int, n_in: int, scheme: Scheme, scale_dtype: Any) -> list[tuple[str, tuple, Any]]:
     """(tensor name, shape, numpy dtype) of what `_tensors_for` writes for one [out, in] weight, in its order,
     from the shape alone (streaming quantization plans a file's header before any tensor is computed)."""
+    specs = _weight_specs(name, out, n_in, scheme, scale_dtype)
+    return specs + ([(f"{name}.input_global_scale", (1,), np.dtype(np.float32))] if scheme.static_act else [])
+
+
+def _weight_specs(name: str, out: int, n_in: int, scheme: Scheme, scale_dtype: Any) -> list[tuple[str, tuple, Any]]:
     if scheme.kind == "fp4":
         nv = scheme.fp4 == "nvfp4"
         specs = [(f"{name}.weight_packed", (out, n_in // 2), np.dtype(np.uint8)),
@@ -165,6 +215,9 @@ def tensor_specs(name: str, out: int, n_in: int, scheme: Scheme, scale_dtype: An
         return [(f"{name}.weight", (out, n_in), np.dtype(ml_dtypes.float8_e4m3fn)),
                 (f"{name}.weight_scale", (math.ceil(out / FP8_BLOCK), math.ceil(n_in / FP8_BLOCK)),
                  np.dtype(scale_dtype))]
+    if scheme.kind == "fp8" or format_of(scheme) == "int-quantized":
+        return [(f"{name}.weight", (out, n_in), np.dtype(ml_dtypes.float8_e4m3fn if scheme.kind == "fp8" else np.int8)),
+                (f"{name}.weight_scale", (out, 1), np.dtype(scale_dtype))]
     per, G = 32 // scheme.bits, scheme.groups(n_in)
     specs = [(f"{name}.weight_packed", (out, -(-n_in // per)), np.dtype(np.int32)),
              (f"{name}.weight_scale", (out, G), np.dtype(scale_dtype)),
@@ -191,14 +244,33 @@ def to_compressed_tensors(model: nnx.Module, scheme: Scheme, ignore: Sequence[st
 # ------------------------------------------------------------------------------------------------
 
 
+def _same_args(ours: Mapping[str, Any], theirs: Mapping[str, Any], *, group: bool = True) -> bool:
+    """Whether a file's QuantizationArgs mean ours: bits, type, strategy, symmetry, dynamic-ness (NVFP4's
+    "local" exactly) and, with `group`, the group size."""
+    keys = ("num_bits", "type", "strategy") + (("group_size",) if group else ())
+    if any(theirs.get(k) != ours[k] for k in keys) or bool(theirs.get("symmetric", True)) != ours["symmetric"]:
+        return False
+    mine, other = ours["dynamic"], theirs.get("dynamic", False)
+    return other == mine if isinstance(mine, str) or isinstance(other, str) else bool(other) == bool(mine)
+
+
 def read_scheme(qc: Mapping[str, Any], source: str) -> Scheme:
     """The Scheme of a compressed-tensors `quantization_config` this module writes; a clear error for others."""
     groups = list((qc.get("config_groups") or {}).values())
     w = (groups[0].get("weights") or {}) if len(groups) == 1 else {}
     fmt = qc.get("format")
-    if qc.get("quant_method") != "compressed-tensors" or len(groups) != 1 or groups[0].get("input_activations"):
-        raise ValueError(f"{source}: unsupported quantization_config (only weight-only compressed-tensors "
-                         "checkpoints with one config group are read)")
+    if qc.get("quant_method") != "compressed-tensors" or len(groups) != 1 or groups[0].get("output_activations"):
+        raise ValueError(f"{source}: unsupported quantization_config (only compressed-tensors checkpoints with one "
+                         "config group and no output activation quantization are read)")
+    if inp := groups[0].get("input_activations"):
+        for name in ACT_SCHEMES:
+            sch = parse_scheme(name)
+            if fmt == format_of(sch) and _same_args(_input_args(sch), inp) \
+                    and _same_args(_weights_args(sch), w, group=name != "w4afp8"):
+                return parse_scheme(f"w4afp8-g{w.get('group_size')}") if name == "w4afp8" else sch
+        raise ValueError(f"{source}: unsupported quantization_config input_activations {dict(inp)} with weights "
+                         f"{dict(w)} in format {fmt!r} (read: the FP8_DYNAMIC, W8A8, W4AFP8, NVFP4 and MXFP4 "
+                         "presets' layouts)")
     if fmt == "float-quantized" and w.get("type") == "float" and w.get("strategy") == "block" \
             and list(w.get("block_structure") or []) == [FP8_BLOCK, FP8_BLOCK]:
         return parse_scheme("fp8-block")
@@ -238,6 +310,8 @@ def _zeros(out: int, n_in: int, scheme: Scheme) -> QMatrix:
     if scheme.kind == "fp8-block":
         return QMatrix(np.zeros((out, n_in), ml_dtypes.float8_e4m3fn),
                        np.ones((math.ceil(out / FP8_BLOCK), math.ceil(n_in / FP8_BLOCK)), np.float32))
+    if scheme.kind == "fp8":
+        return QMatrix(np.zeros((out, n_in), ml_dtypes.float8_e4m3fn), np.ones((out, 1), np.float32))
     G = scheme.groups(n_in)
     return QMatrix(np.zeros((out, n_in), np.int8), np.ones((out, G), np.float32),
                    None if scheme.symmetric else np.zeros((out, G), np.int8))
@@ -246,6 +320,17 @@ def _zeros(out: int, n_in: int, scheme: Scheme) -> QMatrix:
 def read_qmatrix(get: Any, name: str, out: int, n_in: int, scheme: Scheme) -> QMatrix | None:
     """Read one module's quantized tensors through hf_to_state's `get(name, shape)` (which records
     missing and mis-shaped tensors); None when any is missing."""
+    qm = _read_weight(get, name, out, n_in, scheme)
+    if qm is None or not scheme.static_act:
+        return qm
+    g = get(f"{name}.input_global_scale", (1,))
+    if g is None:
+        return None
+    qm.input_global = np.asarray(g, np.float32).reshape(1)
+    return qm
+
+
+def _read_weight(get: Any, name: str, out: int, n_in: int, scheme: Scheme) -> QMatrix | None:
     if scheme.kind == "fp4":
         from models.quant.quantizers import mx_scale_value
         G = scheme.groups(n_in)
@@ -264,6 +349,13 @@ def read_qmatrix(get: Any, name: str, out: int, n_in: int, scheme: Scheme) -> QM
         if q is None or s is None:
             return None
         return QMatrix(np.asarray(q).astype(ml_dtypes.float8_e4m3fn), np.asarray(s, np.float32))
+    if scheme.kind == "fp8" or format_of(scheme) == "int-quantized":
+        q = get(f"{name}.weight", (out, n_in))
+        s = get(f"{name}.weight_scale", (out, 1))
+        if q is None or s is None:
+            return None
+        codes = np.asarray(q).astype(ml_dtypes.float8_e4m3fn if scheme.kind == "fp8" else np.int8)
+        return QMatrix(codes, np.asarray(s, np.float32))
     per = 32 // scheme.bits
     G = scheme.groups(n_in)
     packed = get(f"{name}.weight_packed", (out, -(-n_in // per)))
@@ -282,6 +374,7 @@ def load_linear(get: Any, name: str, lin: Linear, scheme: Scheme) -> None:
     qm = read_qmatrix(get, name, lin.out_features, lin.in_features, scheme)
     if qm is not None:
         set_linear(lin, qm, scheme.kind, scheme.bits)
+        set_activations(lin, scheme.act, qm.input_global)
 
 
 def load_experts(get: Any, ex: Experts, scheme: Scheme) -> None:
@@ -295,3 +388,8 @@ def load_experts(get: Any, ex: Experts, scheme: Scheme) -> None:
                 return
             mats[part].append(qm)
     set_experts(ex, mats["gate_proj"], mats["up_proj"], mats["down_proj"], scheme.kind, scheme.bits)
+    glob = None
+    if scheme.static_act:  # gate and up read the same input: the engine fuses them with one scale (gate's)
+        glob = {"gate_up": np.stack([m.input_global for m in mats["gate_proj"]]),
+                "down": np.stack([m.input_global for m in mats["down_proj"]])}  # [E, 1] each
+    set_activations(ex, scheme.act, glob)
