@@ -3,6 +3,7 @@
     python -m benchmarks.quant --model DIR --data DIR [--schemes int8,fp8-block,w4a16-rtn,w4a16-gptq,w4a16-awq,...]
                                [--group 128] [--calib-samples 64] [--eval-batches 16] [--out FILE.json]
     python -m benchmarks.quant --store DIR ...    # the store's newest fine-tuned model and its data
+    python -m benchmarks.quant --store DIR --plant-outliers 4 --schemes nvfp4,nvfp4+rot,mxfp4+brot,...
 
 `--model` is an HF checkpoint folder `models.from_pretrained` loads (e.g. `<store>/finetune/<fp>/model`),
 `--data` a data_prep artifact folder (train-*.parquet / valid-*.parquet). `--store` picks the newest
@@ -19,12 +20,18 @@ them) vs the same weights in bf16 and of the whole checkpoint (every tensor, emb
 included, float tensors at bf16) vs the whole checkpoint in bf16, and the quantization time (calibration
 forwards + quantization, compile included).
 
+A scheme name with `+rot` / `+brot` is measured after `rotate: hadamard` / `hadamard-block`
+(models/quant/rotation.py), beside the same scheme unrotated (added when missing). `--plant-outliers N`
+first gives the model N outlier residual channels (`plant_outlier_channels`; the reference float model
+too).
+
 Peer ratio: each GPTQ / AWQ row is divided by the round-to-nearest row with the same bits, group and
 symmetry measured in the same run (`vs RTN` = its perplexity increase / RTN's); when that RTN scheme is not
 in `--schemes` it is added. Aims (docs/quantization.md; forgeline issue 6, the
 evaluate gates' defaults `tasks.evaluate.Gates`): int8 / w8a16 increase <= 0.5 %, fp8-block <= 0.3 %,
 int4 GPTQ/AWQ <= 2 % and below RTN's increase, every int4 scheme's bytes <= 0.30x bf16; FP4 (nvfp4a16,
-mxfp4a16; issue 18) <= 3 %.
+mxfp4a16; issue 18) <= 3 %; schemes with quantized activations their gates' limits; a rotated W4A4 row's
+KL at most half its unrotated peer's (issue 18).
 """
 
 from __future__ import annotations
@@ -37,10 +44,14 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 from flax import nnx
 
 import models
 from models import quant
+from models.layers import Linear
+from models.moe import Experts
+from models.quant.rotation import attention_readers, mlp_parts
 from tasks.evaluate import EvalConfig, Gates, _batches, agreement, perplexity
 from tasks.quantize import CalibrationConfig, calibration_batches, disk_bytes
 
@@ -81,38 +92,97 @@ def from_store(store: Path) -> tuple[Path, Path]:
     return newest / "model", data[0]
 
 
+ROT = {"+rot": "hadamard", "+brot": "hadamard-block"}  # benchmark row suffixes: the scheme after rotations
+
+
+def split_rot(name: str) -> tuple[str, str | None]:
+    """"nvfp4+rot" -> ("nvfp4", "hadamard"); "nvfp4+brot" -> ("nvfp4", "hadamard-block"); else (name, None)."""
+    for suffix, how in ROT.items():
+        if name.endswith(suffix):
+            return name[: -len(suffix)], how
+    return name, None
+
+
+def rot_suffix(how: str | None) -> str:
+    return next((k for k, v in ROT.items() if v == how), "")
+
+
 def scheme_names(spec: str, group: int) -> list[str]:
     """`--schemes` with `-g{group}` appended to every w4a16 scheme that does not name a group, and the RTN
-    peer of every GPTQ/AWQ scheme added (before it) when missing. Unknown names: parse_scheme's error."""
+    peer of every GPTQ/AWQ scheme and the unrotated peer of every `+rot` row added (before it) when
+    missing. Unknown names: parse_scheme's error."""
     names = [s.strip() for s in spec.split(",") if s.strip()]
     if group <= 0:
         raise SystemExit(f"benchmarks.quant: --group {group} must be positive")
     out: list[str] = []
     for name in names:
+        base, rot = split_rot(name)
         try:
-            s = quant.parse_scheme(name)
+            s = quant.parse_scheme(base)
         except ValueError as e:
             raise SystemExit(f"benchmarks.quant: {e}") from None
-        if s.kind == "int" and s.bits == 4 and quant.SCHEME_RE.fullmatch(name)["group"] is None:
-            name = f"{name}-g{group}"
+        if s.kind == "int" and s.bits == 4 and s.act is None and quant.SCHEME_RE.fullmatch(base)["group"] is None:
+            name = f"{base}-g{group}{rot_suffix(rot)}"
         if name not in out:
             out.append(name)
     for name in list(out):
-        peer = rtn_peer(name)
-        if peer is not None and peer not in out:
-            out.insert(out.index(name), peer)
+        for peer in (rtn_peer(name), rot_peer(name)):
+            if peer is not None and peer not in out:
+                out.insert(out.index(name), peer)
     return out
 
 
 def rtn_peer(name: str) -> str | None:
-    """The round-to-nearest scheme with the same bits, group and symmetry as a GPTQ/AWQ scheme; None otherwise."""
-    s = quant.parse_scheme(name)
-    if s.kind == "fp4":
-        return None if s.method == "rtn" else f"{s.fp4}a16"
-    if s.kind != "int" or s.method == "rtn":
+    """The round-to-nearest scheme with the same bits, group, symmetry, activations and rotation as a GPTQ/AWQ
+    scheme; None otherwise."""
+    base, rot = split_rot(name)
+    s = quant.parse_scheme(base)
+    if s.method == "rtn" or s.kind not in ("int", "fp4"):
         return None
+    suffix = rot_suffix(rot)
+    if s.kind == "fp4" or s.act is not None:  # nvfp4a16-gptq -> nvfp4a16, int8-w8a8-gptq -> int8-w8a8
+        return base.replace("-gptq", "") + suffix
     g = f"-g{s.group_size}" if s.group_size else ""
-    return f"w{s.bits}a16{'' if s.symmetric else '-asym'}-rtn{g}"
+    return f"w{s.bits}a16{'' if s.symmetric else '-asym'}-rtn{g}{suffix}"
+
+
+def rot_peer(name: str) -> str | None:
+    """The same scheme without rotation, for a `+rot` row."""
+    base, rot = split_rot(name)
+    return base if rot else None
+
+
+# -- a model with outlier channels -----------------------------------------------------------------
+
+
+def plant_outlier_channels(model: nnx.Module, n: int = 4, factor: float = 20.0, seed: int = 0) -> list[int]:
+    """Give the residual stream `n` fixed outlier channels, as LLMs have them (outlier features at fixed
+    hidden dimensions across tokens: Dettmers et al. 2022, arXiv:2208.07339; massive activations: Sun et
+    al. 2024, arXiv:2402.17762): the embedding's columns × factor, and every matrix reading a normed residual
+    (q/k/v or MLA's first projections, the MLP's / experts' gate/up, routers, shared experts, the LM head)
+    rows / factor, so the channels' own contribution keeps its size. Every GEMM input that reads the
+    residual then has those channels ~factor× the others. The RMS norms see a larger mean square (the other
+    channels shrink), so the planted model is a different, worse model: every measurement compares with its
+    own float output. Returns the channels. A tied LM head (the embedding itself) is left as it is."""
+    D = model.config.hidden_size
+    channels = sorted(np.random.default_rng(seed).choice(D, size=min(n, D), replace=False).tolist())
+    c = np.asarray(channels)
+
+    def shrink(r: Any) -> None:
+        if isinstance(r, Linear):
+            r.kernel[...] = r.kernel[...].at[c, :].divide(factor)  # [in, out]
+        elif isinstance(r, Experts):
+            r.gate_up[...] = r.gate_up[...].at[:, c, :].divide(factor)  # [E, D, 2I]
+        else:  # a router [E, D]
+            r.weight[...] = r.weight[...].at[:, c].divide(factor)
+
+    model.embed_tokens.weight[...] = model.embed_tokens.weight[...].at[:, c].multiply(factor)  # [V, D]
+    for layer in model.layers:
+        for r in attention_readers(layer.self_attn) + mlp_parts(layer.mlp)[0]:
+            shrink(r)
+    if model.lm_head is not None:
+        shrink(model.lm_head)
+    return channels
 
 
 # -- measurement -----------------------------------------------------------------------------------
@@ -124,14 +194,18 @@ def _params(model: nnx.Module) -> int:
 
 def aim(row: dict[str, Any], rows: dict[str, dict[str, Any]], gates: Gates) -> tuple[str, bool]:
     """The issue's aim for this row as text, and whether the row meets it (computed from the row and its RTN peer)."""
-    s = quant.parse_scheme(row["scheme"])
+    base, _ = split_rot(row["scheme"])
+    s = quant.parse_scheme(base)
     parts: list[tuple[str, bool]] = []
-    if not (s.kind == "int" and s.bits == 4 and s.method == "rtn"):  # int4 RTN is the baseline, not held to a ppl aim
-        limit = gates.quant_limit(row["scheme"])
+    if not (s.kind == "int" and s.bits == 4 and s.method == "rtn" and s.act is None):  # int4 RTN: the baseline
+        limit = gates.quant_limit(base)
         parts.append((f"Δppl ≤ {100 * limit:g}%", row["perplexity_increase"] <= limit))
     peer = rows.get(row["rtn_peer"]) if row.get("rtn_peer") else None
     if peer is not None:
         parts.append(("< RTN", row["perplexity_increase"] < peer["perplexity_increase"]))
+    unrotated = rows.get(row["rot_peer"]) if row.get("rot_peer") else None
+    if unrotated is not None and s.act in ("nvfp4", "mxfp4"):  # issue 18: rotations cut W4A4's KL >= 2x
+        parts.append(("KL ≤ ½ unrotated", 2 * row["kl"] <= unrotated["kl"]))
     if s.kind == "int" and s.bits == 4:
         parts.append((f"bytes ≤ {INT4_BYTES_AIM:.2f}x", row["bytes_ratio_vs_bf16"] <= INT4_BYTES_AIM))
     return ", ".join(p for p, _ in parts), all(ok for _, ok in parts)
@@ -150,6 +224,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--group", type=int, default=128, help="group size for w4a16 schemes without -g<N>")
     ap.add_argument("--calib-samples", type=int, default=64, help="packed train rows to calibrate on")
     ap.add_argument("--eval-batches", type=int, default=16, help="held-out batches (of 16 rows) to evaluate on")
+    ap.add_argument("--plant-outliers", type=int, default=0, metavar="N",
+                    help="give the model N outlier residual channels first (plant_outlier_channels)")
+    ap.add_argument("--outlier-factor", type=float, default=20.0, help="their size relative to the others")
     ap.add_argument("--out", type=Path, help="also write the rows here as JSON")
     a = ap.parse_args(argv)
 
@@ -162,11 +239,19 @@ def main(argv: list[str] | None = None) -> None:
     ecfg = EvalConfig(eval_batches=a.eval_batches)
     ccfg = CalibrationConfig(samples=a.calib_samples)
 
-    float_model = models.from_pretrained(str(a.model))
+    planted: list[int] = []
+
+    def load() -> nnx.Module:  # the float model, with the same planted outlier channels every time
+        m = models.from_pretrained(str(a.model))
+        if a.plant_outliers:
+            planted[:] = plant_outlier_channels(m, a.plant_outliers, a.outlier_factor)
+        return m
+
+    float_model = load()
     units = quant.quant_units(float_model)
     for name in names:  # fail before any measurement: the quantizer's own error for a group that does not divide
         try:
-            quant.check_divisible(units, quant.parse_scheme(name))
+            quant.check_divisible(units, quant.parse_scheme(split_rot(name)[0]))
         except ValueError as e:
             raise SystemExit(f"benchmarks.quant: {e}") from None
     batches = _batches(a.data, ecfg)
@@ -186,6 +271,7 @@ def main(argv: list[str] | None = None) -> None:
         "calibration_rows": int(sum(ids.shape[0] for ids, _ in calib)),
         "calibration_tokens": quant.calibration_tokens(calib), "jax": jax.__version__,
         "backend": jax.default_backend(), "device": getattr(dev, "device_kind", str(dev)),
+        "outlier_channels": planted, "outlier_factor": a.outlier_factor if a.plant_outliers else None,
     }
     print(f"model: {setup['model']}\n  {setup['architecture']}, {setup['params'] / 1e6:.2f}M params, hidden size "
           f"{setup['hidden_size']}, {setup['layers']} layers, {setup['quantized_modules']} quantized modules "
@@ -194,6 +280,8 @@ def main(argv: list[str] | None = None) -> None:
           f"{eval_tokens} loss tokens; calibration: {setup['calibration_rows']} train rows, "
           f"{setup['calibration_tokens']} tokens")
     print(f"jax {setup['jax']} ({setup['backend']}: {setup['device']}); schemes: {', '.join(names)}", flush=True)
+    if a.plant_outliers:
+        print(f"planted outlier channels {setup['outlier_channels']} (x{a.outlier_factor:g} in the residual stream)")
 
     t0 = time.perf_counter()
     ppl_float = perplexity(float_model, batches)
@@ -201,11 +289,12 @@ def main(argv: list[str] | None = None) -> None:
 
     rows: dict[str, dict[str, Any]] = {}
     for name in names:
-        scheme = quant.parse_scheme(name)
-        model = models.from_pretrained(str(a.model))  # a fresh float copy: quantize_model works in place
+        base, rot = split_rot(name)
+        scheme = quant.parse_scheme(base)
+        model = load()  # a fresh float copy: quantize_model works in place
         t = time.perf_counter()
         try:
-            report = quant.quantize_model(model, scheme, calib)
+            report = quant.quantize_model(model, scheme, calib, opts=quant.Options(rotate=rot))
         except ValueError as e:
             raise SystemExit(f"benchmarks.quant: {e}") from None
         wall = time.perf_counter() - t
@@ -218,6 +307,7 @@ def main(argv: list[str] | None = None) -> None:
             "checkpoint_bytes_ratio_vs_bf16": sizes["checkpoint_bytes"] / sizes["bf16_checkpoint_bytes"],
             "quant_seconds": wall, "quantize_model_seconds": report["seconds"],
             "calibration_tokens": report["calibration_tokens"], "rtn_peer": rtn_peer(name),
+            "rot_peer": rot_peer(name),
         }
         print(f"  {name}: ppl {ppl:.4f} ({_fmt_pct(rows[name]['perplexity_increase'])}), quantized in {wall:.1f}s",
               file=sys.stderr, flush=True)

@@ -28,6 +28,7 @@ from flax import nnx
 
 from models.generate import KVCache
 from models.layers import Embed, Linear, RMSNorm, apply_rope, attention, param
+from models.numerics import quantize_kv_fp8
 
 # Activation checkpointing per decoder layer (`DecoderLM.remat`, set by the trainer):
 #   "none": keep every activation; "full": keep only each layer's input and recompute the rest;
@@ -140,7 +141,10 @@ def build_context(
 
 class GQAttention(nnx.Module):
     """q/k/v/o projections, optional q/k/v bias and o bias, per-head QK-norm before RoPE, learned
-    sinks, (partial) NeoX RoPE from `ctx.rope = (cos, sin)`, GQA attention over `ctx.mask(window)`."""
+    sinks, (partial) NeoX RoPE from `ctx.rope = (cos, sin)`, GQA attention over `ctx.mask(window)`. With an FP8
+    KV cache (`k_scale` / `v_scale`, models/quant/kv_cache.py) the keys (after QK-norm and RoPE) and values are
+    quantized-dequantized with their static scales before the cache write and attention, as an engine's FP8
+    cache stores them, so full-sequence and cached calls see the same K and V."""
 
     def __init__(
         self, *, hidden_size: int, num_heads: int, num_kv_heads: int, head_dim: int, rms_norm_eps: float,
@@ -164,6 +168,10 @@ class GQAttention(nnx.Module):
         # raw parameters stored under their own HF name (models/hf.py reads `hf_raw`)
         self.sinks = nnx.data(param(jnp.zeros((N,), param_dtype), ("heads",)) if sinks else None)
         self.hf_raw = ("sinks",) if sinks else ()
+        # FP8 KV cache (models/quant/kv_cache.py): static scales QuantScale [1] or [K, 1, 1]; None = model dtype
+        self.k_scale = nnx.data(None)
+        self.v_scale = nnx.data(None)
+        self.kv_calibrating = False  # sow the K / V this call caches (models/quant/kv_cache.py)
 
     def __call__(
         self, x: jax.Array, ctx: Context, cache: KVCache | None, layer: int, window: int | None = None
@@ -177,6 +185,11 @@ class GQAttention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = ctx.rope
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if self.kv_calibrating:
+            self.sow(nnx.Intermediate, "calib_k", k)  # [B, T, K, H]: the keys the cache stores
+            self.sow(nnx.Intermediate, "calib_v", v)
+        if self.k_scale is not None:  # FP8 KV cache: every path attends to what the engine's cache holds
+            k, v = quantize_kv_fp8(k, self.k_scale[...]), quantize_kv_fp8(v, self.v_scale[...])
         if cache is not None:  # write this call's keys at each row's slots, attend over the whole cache
             cache = cache.write(layer, ctx.slots, k, v)
             k, v = cache.k[layer], cache.v[layer]  # [B, K, S, H]

@@ -47,7 +47,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from models import families, quant, views
-from models.layers import Buffer, Embed, Linear, RMSNorm, hf_name
+from models.layers import Buffer, Embed, Linear, QuantScale, RMSNorm, hf_name
 from models.quant.formats import DequantizingCheckpoint
 
 log = logging.getLogger(__name__)
@@ -435,8 +435,8 @@ def hf_tensors(
         for attr in getattr(mod, "hf_raw", ()):
             var = getattr(mod, attr)
             if var is not None:
-                emit(f"{name}.{attr}", lambda _v=var: _v[...],
-                     keep_dtype=isinstance(var, Buffer) or getattr(mod, "keep_fp32", False))
+                emit(f"{name}.{attr}", lambda _v=var: _v[...],  # scales (FP8 KV cache) stay float32
+                     keep_dtype=isinstance(var, Buffer | QuantScale) or getattr(mod, "keep_fp32", False))
     extra = getattr(model, "hf_extra_export", None)
     if extra is not None:
         shapes = jax.eval_shape(extra)
@@ -772,7 +772,8 @@ def from_pretrained(path_or_url: str, *, dtype: Any = jnp.float32, mesh: Mesh | 
     Published quantized checkpoints are dequantized on load (DeepSeek FP8 block weights, GPT-OSS MXFP4
     experts; models/quant/formats/), slice by slice; a compressed-tensors checkpoint (int4/int8
     pack-quantized, FP8 blocks; as `save_pretrained` writes a models/quant/ model) loads quantized,
-    dequantizing in the forward, one module at a time. `stats`, when given, receives `bytes_read`.
+    dequantizing in the forward, one module at a time, with its FP8 KV cache's `self_attn.k_scale` / `v_scale`
+    when `kv_cache_scheme` names one (models/quant/kv_cache.py). `stats`, when given, receives `bytes_read`.
     """
     local = _local_path(path_or_url)
     config_path = os.path.join(local, "config.json") if local is not None else f"{path_or_url.rstrip('/')}/config.json"
@@ -801,6 +802,7 @@ def from_pretrained(path_or_url: str, *, dtype: Any = jnp.float32, mesh: Mesh | 
             tensors = DequantizingCheckpoint(tensors)
         elif qcfg:
             quant.prepare_for_load(model, quant.read_scheme(qcfg, config_path), set(tensors))
+            quant.prepare_kv_scales(model, quant.read_kv_cache_scheme(qcfg, config_path))  # FP8 KV cache
         if mesh is None:
             hf_to_state(model, tensors, source=local or path_or_url)
         else:
@@ -899,11 +901,18 @@ def save_pretrained(
     if dtype not in DTYPE_NAMES:
         raise ValueError(f"unsupported save dtype {dtype}")
     quantized = quant.is_quantized(model)
+    fp8_kv = quant.kv_cache_strategy(model) is not None  # FP8 KV cache scales (models/quant/kv_cache.py)
+    if fp8_kv and not quantized:
+        raise ValueError("save_pretrained: an FP8 KV cache is written with a quantized model's compressed-tensors "
+                         "config (kv_cache_scheme); quantize the weights too (models/quant/)")
     entries = hf_tensors(model, dtype=dtype, skip_quantized=quantized)
     config = model.config.to_hf(DTYPE_NAMES[dtype])
     if quantized:
         gpt_oss = quant.has_gpt_oss_mxfp4(model)
         layout = layout or ("gpt-oss-mxfp4" if gpt_oss else "compressed-tensors")
+        if fp8_kv and layout != "compressed-tensors":
+            raise ValueError(f"save_pretrained: layout {layout!r} has no place for FP8 KV cache scales (written only "
+                             "in compressed-tensors, as its kv_cache_scheme)")
         if gpt_oss and layout != "gpt-oss-mxfp4":
             raise ValueError(f"save_pretrained: layout {layout!r}: GPT-OSS's quantized experts are written only in "
                              "GPT-OSS's own MXFP4 layout (layout='gpt-oss-mxfp4', the default for them)")

@@ -12,6 +12,10 @@ Conventions are compressed-tensors 0.20's (`quantization/utils/helpers.py::calcu
 * NVFP4 (W4A4): a static global scale g = 448·6 / amax over the calibration inputs; per 16 values
   `s = e4m3(g · amax / 6)` (0 -> 0.125), `q = e2m1(clamp(x / (s / g), ±6))`, `x ≈ q · (s / g)`.
 * MXFP4: per 32 values the power of two `2^(E(amax) - 2)` (E8M0, `e8m0_code`), `q = e2m1(clamp(x / s, ±6))`.
+* FP8 KV cache (`quantize_kv_fp8`): the cached K and V with their static calibrated scale (per tensor, or one per
+  KV head: compressed-tensors' `attn_head` strategy), `x ≈ e4m3(clamp(x / s, ±448)) · s` (`_quantize_dequantize`
+  as `QuantizedKVCache` applies it; vLLM's cache-write kernels: `fp8::scaled_convert`, x / s in float32, then a
+  saturating conversion).
 
 These are the QDQ serving engines compute (vLLM's `scaled_fp8_quant` / `scaled_int8_quant` with per-token
 scales, its NVFP4 and MXFP4 activation quantization): the quantized GEMM then equals `QDQ(x) @ W_dq` up to
@@ -129,3 +133,12 @@ def quantize_activation(x: jax.Array, kind: str, global_scale: jax.Array | None 
         eff = mx_scale_jax(amax)
     q = round_e2m1(div(t, eff[..., None]), jnp)
     return (q * eff[..., None]).reshape(shape).astype(dtype)
+
+
+def quantize_kv_fp8(x: jax.Array, scale: jax.Array) -> jax.Array:
+    """Quantize-dequantize K or V x [B, T, K, H] with its static FP8 KV-cache scale (float32, [1] per tensor or
+    [K, 1, 1] per KV head, compressed-tensors' shapes): what an engine writes to an FP8 cache and reads back.
+    In float32, true divisions (`div`); returns x's shape and dtype."""
+    s = scale.astype(jnp.float32).reshape(-1, 1)  # [1, 1] or [K, 1]: broadcasts over [B, T, K, H]
+    q = jnp.clip(div(x.astype(jnp.float32), s), -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
+    return (q.astype(jnp.float32) * s).astype(x.dtype)

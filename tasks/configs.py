@@ -105,6 +105,8 @@ class QuantizeConfig(BaseModel):
     dampening_frac: float = Field(0.01, gt=0)  # GPTQ: added to H's diagonal, x mean(diag H)
     expert_min_tokens: int = Field(16, ge=0)  # an expert with fewer routed tokens uses its layer's pooled stats
     awq_grid: int = Field(20, ge=2)
+    smoothquant_alpha: float = Field(0.5, ge=0, le=1)  # int8-w8a8's SmoothQuant migration strength
+    rotate: Literal["hadamard", "hadamard-block"] | None = None  # fold rotations first (models/quant/rotation.py)
 
     @field_validator("schemes")
     @classmethod
@@ -113,6 +115,27 @@ class QuantizeConfig(BaseModel):
             parse_scheme(name)
         if len(set(v)) != len(v):
             raise ValueError(f"schemes {list(v)} repeat a scheme")
+        return v
+
+    # KV cache of every scheme: null (the serving dtype) or "fp8" (E4M3, static scales calibrated on the quantized
+    # model; models/quant/kv_cache.py), one scale per attention layer ("tensor") or per KV head ("attn_head")
+    kv_cache: str | None = None
+    kv_cache_strategy: str = "tensor"
+
+    @field_validator("kv_cache")
+    @classmethod
+    def _kv_cache(cls, v: str | None) -> str | None:
+        if v not in (None, "fp8"):  # models/quant/kv_cache.py KV_CACHE_KINDS (not imported: no JAX in schemas)
+            raise ValueError(f"kv_cache must be null (the serving dtype) or 'fp8' (E4M3 with calibrated static "
+                             f"scales), got {v!r}")
+        return v
+
+    @field_validator("kv_cache_strategy")
+    @classmethod
+    def _kv_strategy(cls, v: str) -> str:
+        if v not in ("tensor", "attn_head"):  # models/quant/kv_cache.py KV_STRATEGIES
+            raise ValueError(f"kv_cache_strategy must be 'tensor' (one scale per layer) or 'attn_head' (one per KV "
+                             f"head), got {v!r}")
         return v
 
 

@@ -6,7 +6,9 @@ Measured in one run, on the same held-out rows and prompts:
 - perplexity of the base, the fine-tuned model and each quantized variant (masked next-token loss
   over data_prep's valid split -- for instruction data, the answer tokens only);
 - per quantized scheme: token-level KL(fine-tuned || quantized) and top-1 agreement over the same
-  positions, and the decoder weight bytes relative to float32;
+  positions, and the decoder weight bytes relative to float32; its KV cache (fp8 with calibrated scales, or the
+  serving dtype) and the cache's bytes per token vs bf16 (our forward applies an FP8 KV cache, so its effect is
+  in every number);
 - every draft candidate of the draft artifact (EAGLE-3, P-EAGLE, DFlash; and, for DeepSeek-V3/GLM-4.5
   targets, the target's own MTP head): speculative decoding vs plain decoding of the served target (the
   fine-tuned model or the quantized variant named by `spec_target`), at the same batch size, on held-out
@@ -40,6 +42,7 @@ import pyarrow.parquet as pq
 from flax import nnx
 
 import models
+from models import quant
 from models.draft_format import folder_kind
 from models.drafts import load_draft, target_head
 from models.generate import generate
@@ -338,9 +341,11 @@ def markdown(report: dict[str, Any]) -> str:
         lines += ["", "## Quantization (vs fine-tuned)", "",
                   "KL(fine-tuned ‖ quantized) per held-out loss position (mean, 99th percentile, max) and the top-1 "
                   "flip rate (positions whose greedy token changes); bytes: the quantized modules, and the whole "
-                  "checkpoint (every tensor; the float ones at bf16), each vs bf16.", "",
+                  "checkpoint (every tensor; the float ones at bf16), each vs bf16; KV cache: the cache the "
+                  "checkpoint's attention applies (fp8 with per-tensor or per-head static scales, else the serving "
+                  "dtype; its effect is in the numbers) and its bytes per token and layer vs bf16.", "",
                   "| scheme | perplexity | increase | KL mean | KL p99 | KL max | top-1 flips | quantized weights "
-                  "vs bf16 | checkpoint vs bf16 | quantize time |", "|---" * 10 + "|"]
+                  "vs bf16 | checkpoint vs bf16 | KV cache | quantize time |", "|---" * 11 + "|"]
         for s, q in report["quantization"].items():
             ratio, whole = q.get("weight_bytes_ratio_vs_bf16"), q.get("checkpoint_bytes_ratio_vs_bf16")
             secs = q.get("quantize_seconds")
@@ -348,6 +353,7 @@ def markdown(report: dict[str, Any]) -> str:
                          f"| {q['kl_p99']:.5f} | {q['kl_max']:.4f} | {100 * q['top1_flip_rate']:.2f}% "
                          f"| {'n/a' if ratio is None else f'{ratio:.3f}x'} "
                          f"| {'n/a' if whole is None else f'{whole:.3f}x'} "
+                         f"| {q.get('kv_cache') or 'serving dtype'} ({q.get('kv_bytes_ratio_vs_bf16', 1.0):.2f}x) "
                          f"| {'n/a' if secs is None else f'{secs:.1f} s'} |")
     if report.get("drafts"):
         chosen = report["draft"]["name"]
@@ -415,12 +421,15 @@ def evaluate(cfg: EvalConfig, *, base: Path | None, finetuned: Path, quantized: 
         qmodel = models.from_pretrained(str(qdir))
         if scheme == cfg.spec_target:
             served = qmodel  # the model speculative decoding is measured against, loaded once
-        report["perplexity"][scheme] = p = perplexity(qmodel, batches)
+        report["perplexity"][scheme] = p = perplexity(qmodel, batches)  # with its FP8 KV cache, if it has one
+        kv = quant.kv_cache_strategy(qmodel)  # what the loaded checkpoint's attention applies
+        kv = None if kv is None else f"fp8-{kv}"
         made = qdir / "quantization_report.json"  # what the quantize stage measured: bytes on disk, time
         made = read_report(lambda n, q=qdir: (q / n).read_bytes(), made.name) if made.exists() else {}
         report["quantization"][scheme] = {
             "perplexity": p, "perplexity_increase": p / report["perplexity"]["finetuned"] - 1,
             **agreement(target, qmodel, batches),
+            "kv_cache": kv, **quant.kv_cache_bytes(qmodel, kv and "fp8"),
             **{k: made[k] for k in ("weight_bytes_ratio_vs_bf16", "checkpoint_bytes_ratio_vs_bf16",
                                     "mean_output_error", "calibration_tokens") if k in made},
             **({"quantize_seconds": made["seconds"]} if "seconds" in made else {}),

@@ -12,6 +12,9 @@ scheme is written as an HF checkpoint under `<scheme>/`: compressed-tensors `pac
 in DeepSeek's own layout (`weight_scale_inv`) under `<scheme>/deepseek/`. Next to the weights:
 `quantization_report.json` (per module: method, calibration tokens, relative weight and output error;
 AWQ folds; bytes; seconds) and `quant_error.svg` (the per-layer error plot that ships in the bundle).
+With `kv_cache: fp8` every scheme's checkpoint also gets an FP8 KV cache: static k/v scales per attention layer
+(or per KV head) calibrated on the quantized model (models/quant/kv_cache.py), written as compressed-tensors'
+`kv_cache_scheme` (the fp8-block DeepSeek-layout copy, whose format has none, keeps the serving dtype).
 """
 
 from __future__ import annotations
@@ -46,7 +49,10 @@ def check_fits(cfg: QuantizeConfig, model: Any) -> None:
     before any stage runs; `quantize_model` checks it again."""
     for name in cfg.schemes:
         scheme = quant.parse_scheme(name)
-        quant.check_supported(quant.quant_units(model, cfg.ignore, scheme), scheme)
+        units = quant.quant_units(model, cfg.ignore, scheme)
+        quant.check_supported(units, scheme)
+        if cfg.kv_cache:  # an FP8 KV cache: GQA families, a layout with a kv_cache_scheme
+            quant.check_kv_cache(model, cfg.kv_cache_strategy, units)
 
 
 def calibration_batches(data_dir: Path, cfg: CalibrationConfig) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -113,17 +119,22 @@ def error_plot_svg(rows: list[dict[str, Any]], title: str) -> str:
 def quantize(cfg: QuantizeConfig, model_path: Path, data_dir: Path, out_dir: Path) -> dict[str, Any]:
     batches = calibration_batches(data_dir, cfg.calibration)
     opts = quant.Options(dampening_frac=cfg.dampening_frac, expert_min_tokens=cfg.expert_min_tokens,
-                         awq_grid=cfg.awq_grid, expert_chunk=cfg.calibration.expert_chunk)
+                         awq_grid=cfg.awq_grid, expert_chunk=cfg.calibration.expert_chunk,
+                         smoothquant_alpha=cfg.smoothquant_alpha, rotate=cfg.rotate)
     stats: dict[str, Any] = {}
     for name in cfg.schemes:
         scheme = quant.parse_scheme(name)
         model = models.from_pretrained(str(model_path))
         float_bytes = quant.weight_bytes(model)
         report = quant.quantize_model(model, scheme, batches, ignore=cfg.ignore, opts=opts)
+        if cfg.kv_cache:  # on the quantized model: the scales see the K / V it produces
+            report["kv_cache_calibration"] = kv = quant.calibrate_kv_cache(model, batches, cfg.kv_cache_strategy)
+            report["seconds"] += kv["seconds"]
         dest = out_dir / name
         models.save_pretrained(model, str(dest))
-        if scheme.kind == "fp8-block":
-            models.save_pretrained(model, str(dest / "deepseek"), layout="deepseek-fp8")
+        if scheme.kind == "fp8-block":  # DeepSeek's layout has no kv_cache_scheme: its copy keeps the serving dtype
+            with quant.without_kv_scales(model):
+                models.save_pretrained(model, str(dest / "deepseek"), layout="deepseek-fp8")
         for fn in ("tokenizer.json", "special_tokens.json", "tokenizer_config.json"):
             if (model_path / fn).exists():
                 shutil.copyfile(model_path / fn, dest / fn)
@@ -141,6 +152,8 @@ def quantize(cfg: QuantizeConfig, model_path: Path, data_dir: Path, out_dir: Pat
             "mean_output_error": float(np.mean(errors)),
             "max_output_error": float(np.max(errors)),
             "fallbacks": sum("fallback" in r for r in report["modules"]),
+            "kv_cache": None if not cfg.kv_cache else f"{cfg.kv_cache}-{cfg.kv_cache_strategy}",
+            **quant.kv_cache_bytes(model, cfg.kv_cache),
         }
         write_report(dest / "quantization_report.json", {**summary, **report})  # seconds: timing.json
         plot = error_plot_svg(report["modules"], f"{name}: per-module quantization error")

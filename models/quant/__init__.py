@@ -7,6 +7,7 @@ do from compressed-tensors' formats:
     quantizers.py    the math on one matrix: min-max parameters, RTN, GPTQ, AWQ scale search, FP8 tiles
     calibration.py   per-layer activation statistics (Hessians H = Σ x xᵀ, |x| means)
     awq.py           AWQ scales folded into the op before each group of Linears
+    kv_cache.py      FP8 KV cache: static k/v scales calibrated on the quantized model, any weight scheme
     driver.py        quantize_model: layer by layer, calibrate -> (AWQ) -> quantize -> next layer
     state.py         the quantized state in memory (codes, scales, zero points on Linear / Experts)
     formats/         on-disk layouts only: compressed-tensors (written and read), DeepSeek FP8 (written
@@ -33,6 +34,14 @@ _LAZY = {
     "collect_stats": "models.quant.calibration",
     "quantize_int8": "models.quant.driver",
     "quantize_model": "models.quant.driver",
+    "calibrate_kv_cache": "models.quant.kv_cache",
+    "check_kv_cache": "models.quant.kv_cache",
+    "kv_cache_bytes": "models.quant.kv_cache",
+    "kv_cache_scheme": "models.quant.kv_cache",
+    "kv_cache_strategy": "models.quant.kv_cache",
+    "prepare_kv_scales": "models.quant.kv_cache",
+    "read_kv_cache_scheme": "models.quant.kv_cache",
+    "without_kv_scales": "models.quant.kv_cache",
     "to_deepseek_fp8": "models.quant.formats.deepseek_fp8",
     "has_gpt_oss_mxfp4": "models.quant.formats.mxfp4",
     "to_gpt_oss_mxfp4": "models.quant.formats.mxfp4",

@@ -5,12 +5,14 @@
     report = quantize_model(model, scheme, calibration)       # in place; calibration: [(ids, segment_ids)]
     save_pretrained(model, "out/")                            # compressed-tensors (models/quant/formats/)
 
-Per decoder layer: collect the calibration statistics (models/quant/calibration.py), fold SmoothQuant
-(models/quant/smoothquant.py) or AWQ scales (models/quant/awq.py), quantize every selected module
-(models/quant/targets.py) by FP8 blocks / channels, GPTQ (arXiv:2210.17323) or RTN
-(models/quant/quantizers.py), set the activation quantization the scheme asks for (NVFP4's input global
-scales from the calibration inputs), then feed the quantized layer's output on (its activations quantized
-as the engine will). An expert stack is quantized `expert_chunk` experts at a time: the chunk's Hessians are built
+With `Options.rotate` = "hadamard" the float model first gets QuaRot-style rotations folded into its weights
+(models/quant/rotation.py). Per decoder layer: collect the calibration statistics
+(models/quant/calibration.py), fold SmoothQuant (models/quant/smoothquant.py) or AWQ scales
+(models/quant/awq.py), quantize every selected module (models/quant/targets.py) by FP8 blocks / channels,
+GPTQ (arXiv:2210.17323) or RTN (models/quant/quantizers.py), set the activation quantization the scheme asks
+for (NVFP4's input global scales from the calibration inputs), then feed the quantized layer's output on
+(its activations quantized as the engine will). An expert stack is quantized `expert_chunk` experts at a
+time: the chunk's Hessians are built
 (`ExpertStats.chunks`), each expert GPTQ'd, and the chunk dropped, so no more than expert_chunk × in²
 Hessian floats are held. An expert with fewer than `expert_min_tokens` routed tokens falls back to the
 layer's statistics pooled over all its experts (the pooled H comes from the calibration forward, ready
@@ -34,6 +36,7 @@ from models.moe import Experts
 from models.quant import quantizers as Q
 from models.quant.awq import awq_layer
 from models.quant.calibration import ExpertStats, Stats, _layer_forward, calibration_tokens, collect_stats
+from models.quant.rotation import rotate_model
 from models.quant.schemes import FP8_BLOCK, Options, Scheme, parse_scheme
 from models.quant.smoothquant import smooth_layer
 from models.quant.state import QMatrix, set_activations, set_experts, set_linear
@@ -227,6 +230,11 @@ def quantize_model(model: nnx.Module, scheme: Scheme, batches: Sequence[tuple[np
     if not units:
         raise ValueError("nothing to quantize: every Linear is ignored")
     check_supported(units, scheme)
+    rotation = None
+    if opts.rotate is not None:  # block rotations: one Hadamard per activation scale group (32 without one)
+        block = (scheme.group_size if scheme.act in ("nvfp4", "mxfp4") else 32) if opts.rotate == "hadamard-block" \
+            else None
+        rotation = rotate_model(model, seed=opts.rotate_seed, block=block)
     globals_ = nvfp4_global_scales(units) if scheme.fp4 == "nvfp4" else None
     if not batches:  # RTN and FP8 need no data (the report then has weight errors only); GPTQ / AWQ do
         if scheme.kind in ("int", "fp4") and scheme.method != "rtn":
@@ -238,8 +246,8 @@ def quantize_model(model: nnx.Module, scheme: Scheme, batches: Sequence[tuple[np
         for u in units:
             _set_unit_activations(u, {}, scheme)
         model.quant_scheme, model.quant_ignore = scheme, tuple(ignore)
-        return {"scheme": scheme.name, "modules": rows, "awq": [], "seconds": time.perf_counter() - t0,
-                "calibration_tokens": 0}
+        return {"scheme": scheme.name, "modules": rows, "awq": [], "smoothquant": [], "rotation": rotation,
+                "seconds": time.perf_counter() - t0, "calibration_tokens": 0}
     L = model.config.num_hidden_layers
     xs = [model.embed_tokens(jnp.asarray(ids)) for ids, _ in batches]  # [B, T, D] each
     segs = [jnp.asarray(seg, jnp.int32) for _, seg in batches]
@@ -269,7 +277,7 @@ def quantize_model(model: nnx.Module, scheme: Scheme, batches: Sequence[tuple[np
     missing = [u.name for u in units if not _unit_quantized(u)]
     if missing:  # coverage: every selected module must come out quantized (issue trackers; docs/quantization.md)
         raise AssertionError(f"not quantized: {missing}")
-    return {"scheme": scheme.name, "modules": rows, "awq": awq_rows, "smoothquant": smooth_rows,
+    return {"scheme": scheme.name, "modules": rows, "awq": awq_rows, "smoothquant": smooth_rows, "rotation": rotation,
             "seconds": time.perf_counter() - t0, "calibration_tokens": calibration_tokens(batches)}
 
 

@@ -142,10 +142,14 @@ class Options:
     expert_min_tokens: int = 16  # fewer routed tokens: GPTQ on the layer's pooled expert statistics
     awq_grid: int = 20
     smoothquant_alpha: float = 0.5  # SmoothQuant migration strength α (llm-compressor's smoothing_strength)
+    rotate: str | None = None  # "hadamard" | "hadamard-block": fold rotations first (models/quant/rotation.py)
+    rotate_seed: int = 0
     expert_chunk: int = 8  # experts per Hessian chunk: peak expert-Hessian memory is expert_chunk x in² floats
 
     def __post_init__(self) -> None:
         if self.expert_chunk < 1:
             raise ValueError(f"expert_chunk must be >= 1, got {self.expert_chunk}")
+        if self.rotate not in (None, "hadamard", "hadamard-block"):
+            raise ValueError(f"rotate must be null, 'hadamard' or 'hadamard-block', got {self.rotate!r}")
         if not 0.0 <= self.smoothquant_alpha <= 1.0:
             raise ValueError(f"smoothquant_alpha must be in [0, 1], got {self.smoothquant_alpha}")

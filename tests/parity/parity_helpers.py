@@ -7,6 +7,8 @@ Reference: docs/models/decoder.md, "fp32 parity conventions" (tiny random config
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import numpy as np
 import torch
@@ -55,6 +57,67 @@ def hf_logits(model, ids: np.ndarray, attention_mask: np.ndarray | None = None) 
 def rel_err(a, b) -> float:
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+
+
+# ------------------------------------------------------------------------------------------------
+# Shared by the quantization parity tests
+# ------------------------------------------------------------------------------------------------
+
+QUANT_LLAMA = dict(vocab_size=128, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=256,
+                   rms_norm_eps=1e-5)
+QUANT_QWEN3_MOE = dict(vocab_size=128, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=4,
+                       num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=256, rms_norm_eps=1e-5)
+
+
+def calibration_batches(vocab: int, n: int = 2, b: int = 2, t: int = 32, seed: int = 1, pad: int = 0
+                        ) -> list[tuple[np.ndarray, np.ndarray]]:
+    """n random (input_ids [b, t], segment_ids [b, t]) batches; with `pad`, row 0 ends in that many
+    padding tokens (segment 0, id 0)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        ids = rng.integers(0, vocab, (b, t)).astype(np.int32)
+        seg = np.ones((b, t), np.int32)
+        if pad:
+            seg[0, t - pad:] = 0
+            ids[seg == 0] = 0
+        out.append((ids, seg))
+    return out
+
+
+def bf16_rounded(model):
+    """A copy of our quantized dense model whose quantized Linears hold their dequantized weights rounded to
+    bfloat16 as float kernels (what compressed-tensors' NVFP4 decompression hands transformers); their
+    activation quantization, if any, kept."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from models.layers import param
+    from models.quant import quant_units
+
+    copy = nnx.clone(model)
+    for u in quant_units(copy):
+        lin = u.module
+        w = jnp.asarray(np.asarray(lin.weight()).astype(jnp.bfloat16).astype(np.float32))  # [in, out]
+        lin.kernel = param(w, lin.axes)
+        lin.qweight = lin.scale = lin.qglobal = None
+    return copy
+
+
+def checkpoint_maker(tmp_path_factory, configs: dict) -> Any:
+    """make(arch) -> the folder of a saved tiny random transformers model of `configs[arch]()` (built once)."""
+    cache: dict[str, str] = {}
+
+    def make(arch: str) -> str:
+        if arch not in cache:
+            path = str(tmp_path_factory.mktemp(arch))
+            build_from_config(configs[arch](), seed=0).save_pretrained(path)
+            cache[arch] = path
+        return cache[arch]
+
+    return make
 
 
 # ------------------------------------------------------------------------------------------------

@@ -31,11 +31,18 @@ from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig
 from compressed_tensors.quantization.lifecycle.forward import forward_quantize
 from compressed_tensors.quantization.quant_scheme import preset_name_to_scheme
 from flax import nnx
-from parity_helpers import build_from_config, hf_logits, rel_err
+from parity_helpers import (
+    QUANT_LLAMA,
+    QUANT_QWEN3_MOE,
+    bf16_rounded,
+    calibration_batches,
+    checkpoint_maker,
+    hf_logits,
+    rel_err,
+)
 from transformers import CompressedTensorsConfig
 
 from models import from_pretrained, jit_forward, parse_scheme, quantize_model, save_pretrained
-from models.layers import param
 from models.numerics import nvfp4_global_scale, quantize_activation
 from models.quant import quant_units
 from models.quant.calibration import _layer_forward, collect_stats
@@ -47,11 +54,6 @@ IDS = np.random.default_rng(0).integers(0, V, (2, 16)).astype(np.int32)
 TOL = 1e-5
 PRESET = {"fp8": "FP8_DYNAMIC", "int8": "W8A8", "nvfp4": "NVFP4", "mxfp4": "MXFP4"}
 
-LLAMA = dict(vocab_size=V, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=64, max_position_embeddings=256, rms_norm_eps=1e-5)
-QWEN3_MOE = dict(vocab_size=V, hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=4, num_experts_per_tok=2,
-                 norm_topk_prob=True, max_position_embeddings=256, rms_norm_eps=1e-5)
 
 
 def outlier_acts(seed: int = 0) -> np.ndarray:
@@ -79,41 +81,18 @@ def test_activation_qdq_equals_compressed_tensors(kind):
     assert rel_err(ours, x) > 1e-3  # it did quantize
 
 
-def calibration(n: int = 2, b: int = 2, t: int = 32) -> list[tuple[np.ndarray, np.ndarray]]:
-    rng = np.random.default_rng(1)
-    return [(rng.integers(0, V, (b, t)).astype(np.int32), np.ones((b, t), np.int32)) for _ in range(n)]
+def calibration() -> list[tuple[np.ndarray, np.ndarray]]:
+    return calibration_batches(V)
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    cache: dict[str, str] = {}
-
-    def make(arch: str) -> str:
-        if arch not in cache:
-            cfg = transformers.LlamaConfig(**LLAMA) if arch == "llama" else transformers.Qwen3MoeConfig(**QWEN3_MOE)
-            path = str(tmp_path_factory.mktemp(arch))
-            build_from_config(cfg, seed=0).save_pretrained(path)
-            cache[arch] = path
-        return cache[arch]
-
-    return make
+    return checkpoint_maker(tmp_path_factory, {"llama": lambda: transformers.LlamaConfig(**QUANT_LLAMA),
+                                               "qwen3_moe": lambda: transformers.Qwen3MoeConfig(**QUANT_QWEN3_MOE)})
 
 
 def ours(model) -> np.ndarray:
     return np.asarray(jit_forward(model)(jnp.asarray(IDS)))
-
-
-def bf16_weights(model):
-    """A copy of our quantized dense model whose quantized Linears hold their dequantized weights rounded to
-    bfloat16 as float kernels (what compressed-tensors' NVFP4 decompression hands transformers), their
-    activation quantization kept."""
-    copy = nnx.clone(model)
-    for u in quant_units(copy):
-        lin = u.module
-        w = jnp.asarray(np.asarray(lin.weight()).astype(jnp.bfloat16).astype(np.float32))  # [in, out]
-        lin.kernel = param(w, lin.axes)
-        lin.qweight = lin.scale = lin.qglobal = None
-    return copy
 
 
 def with_reference_input_quant(hf, path: str, qc: dict, seen: dict) -> None:
@@ -136,7 +115,7 @@ def with_reference_input_quant(hf, path: str, qc: dict, seen: dict) -> None:
         mod.register_forward_pre_hook(lambda m, inp: (forward_quantize(m, inp[0], "input", args),))
         mod.register_forward_hook(lambda m, inp, out, n=name: seen[n].append(out.detach().clone()))
         hooked += 1
-    assert hooked == 7 * LLAMA["num_hidden_layers"]
+    assert hooked == 7 * QUANT_LLAMA["num_hidden_layers"]
 
 
 @pytest.mark.parametrize("scheme", ["fp8-dynamic", "int8-w8a8-gptq", "w4afp8-g64", "nvfp4", "mxfp4"])
@@ -166,7 +145,7 @@ def test_dense_export_matches_compressed_tensors_activation_quantization(checkpo
     with_reference_input_quant(hf, out, qc, seen)
     ref = hf_logits(hf, IDS)
     # NVFP4's decompressor rounds the weights to bf16: compare with our model holding those weights
-    same_weights = bf16_weights(model) if scheme == "nvfp4" else model
+    same_weights = bf16_rounded(model) if scheme == "nvfp4" else model
     # every quantized Linear on the reference's own inputs: the same quantized GEMM
     modules = {u.name: u.module for u in quant_units(same_weights)}
     for name, (x, y) in seen.items():

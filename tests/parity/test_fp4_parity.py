@@ -32,11 +32,19 @@ from compressed_tensors.quantization.lifecycle.forward import dequantize, quanti
 from compressed_tensors.quantization.quant_scheme import preset_name_to_scheme
 from compressed_tensors.quantization.utils.helpers import calculate_qparams, generate_gparam
 from flax import nnx
-from parity_helpers import build_from_config, hf_logits, rel_err
+from parity_helpers import (
+    QUANT_LLAMA,
+    QUANT_QWEN3_MOE,
+    bf16_rounded,
+    build_from_config,
+    calibration_batches,
+    hf_logits,
+    rel_err,
+)
 from transformers import CompressedTensorsConfig
 
 from models import from_pretrained, jit_forward, parse_scheme, quantize_model, save_pretrained
-from models.layers import Linear, param
+from models.layers import Linear
 from models.moe import Experts
 from models.quant import quant_units
 from models.quant import quantizers as Q
@@ -50,11 +58,7 @@ QUANT_MOVES = 1e-2
 PRESET = {"nvfp4a16": "NVFP4A16", "mxfp4a16": "MXFP4A16"}
 COMPRESSOR = {"nvfp4a16": NVFP4PackedCompressor, "mxfp4a16": MXFP4PackedCompressor}
 
-LLAMA = dict(vocab_size=V, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=64, max_position_embeddings=256, rms_norm_eps=1e-5)
-QWEN3_MOE = dict(vocab_size=V, hidden_size=128, intermediate_size=256, moe_intermediate_size=64, num_hidden_layers=2,
-                 num_attention_heads=4, num_key_value_heads=2, head_dim=32, num_experts=4, num_experts_per_tok=2,
-                 norm_topk_prob=True, max_position_embeddings=256, rms_norm_eps=1e-5)
+LLAMA, QWEN3_MOE = QUANT_LLAMA, QUANT_QWEN3_MOE
 
 
 def hard_weight(seed: int = 0) -> np.ndarray:
@@ -123,21 +127,8 @@ def read_file(path: str) -> dict[str, torch.Tensor]:
         return {k: f.get_tensor(k) for k in f.keys()}
 
 
-def bf16_rounded(model):
-    """A copy of our quantized dense model whose quantized Linears hold their dequantized weights rounded to
-    bfloat16 as float kernels: what compressed-tensors' NVFP4 decompression hands transformers."""
-    copy = nnx.clone(model)
-    for u in quant_units(copy):
-        lin = u.module
-        w = jnp.asarray(np.asarray(lin.weight()).astype(jnp.bfloat16).astype(np.float32))  # [in, out]
-        lin.kernel = param(w, lin.axes)
-        lin.qweight = lin.scale = lin.qglobal = None
-    return copy
-
-
-def calibration(n: int = 2, b: int = 2, t: int = 32) -> list[tuple[np.ndarray, np.ndarray]]:
-    rng = np.random.default_rng(1)
-    return [(rng.integers(0, V, (b, t)).astype(np.int32), np.ones((b, t), np.int32)) for _ in range(n)]
+def calibration() -> list[tuple[np.ndarray, np.ndarray]]:
+    return calibration_batches(V)
 
 
 @pytest.mark.parametrize("scheme", ["nvfp4a16", "mxfp4a16", "nvfp4a16-gptq"])

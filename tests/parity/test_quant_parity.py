@@ -31,7 +31,7 @@ import torch
 import transformers
 from compressed_tensors.compressors.pack_quantized import PackedQuantizationCompressor
 from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme
-from parity_helpers import build_from_config, hf_logits, rel_err
+from parity_helpers import build_from_config, calibration_batches, hf_logits, rel_err
 from transformers import CompressedTensorsConfig
 
 from models import from_pretrained, jit_forward, parse_scheme, quantize_model, save_pretrained
@@ -58,16 +58,8 @@ DEEPSEEK_V3 = dict(vocab_size=V, hidden_size=128, intermediate_size=256, moe_int
 
 
 def calibration(n: int = 2, b: int = 2, t: int = 32, seed: int = 1) -> list[tuple[np.ndarray, np.ndarray]]:
-    """n random (input_ids [b, t], segment_ids [b, t]) batches; each row's tail is padding (segment 0)."""
-    rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(n):
-        ids = rng.integers(0, V, (b, t)).astype(np.int32)
-        seg = np.ones((b, t), np.int32)
-        seg[0, t - 5:] = 0
-        ids[seg == 0] = 0
-        out.append((ids, seg))
-    return out
+    """n random (input_ids [b, t], segment_ids [b, t]) batches; row 0's tail is padding (segment 0)."""
+    return calibration_batches(V, n, b, t, seed, pad=5)
 
 
 @pytest.fixture(scope="module")

@@ -66,3 +66,14 @@ def test_gpu_benchmark_runs_every_section_at_toy_sizes(tmp_path):
         assert all(r["ratio"] is not None and r["ratio"] > 0 for r in rows if r["section"] == section), section
     assert "| train_dense " in p.stdout and "ERROR" not in p.stdout
     assert all(f"{name}: done in" in p.stderr for name in SECTIONS)  # the per-section progress lines
+
+
+def test_quant_rows_get_their_rtn_and_unrotated_peers():
+    from benchmarks.quant import rot_peer, rtn_peer, scheme_names
+    assert scheme_names("w4a16-gptq,nvfp4-gptq+rot,mxfp4+brot,int8-w8a8-gptq", 64) == [
+        "w4a16-rtn-g64", "w4a16-gptq-g64", "nvfp4+rot", "nvfp4-gptq", "nvfp4-gptq+rot", "mxfp4", "mxfp4+brot",
+        "int8-w8a8", "int8-w8a8-gptq"]
+    assert (rtn_peer("nvfp4-gptq+rot"), rot_peer("nvfp4-gptq+rot")) == ("nvfp4+rot", "nvfp4-gptq")
+    assert rtn_peer("w4afp8-gptq-g64") == "w4afp8-g64" and rtn_peer("fp8-dynamic") is None
+    with pytest.raises(SystemExit, match="unknown quantization scheme 'nvfp5'"):
+        scheme_names("nvfp5+rot", 64)

@@ -16,6 +16,8 @@ the tensors of every quantized module, HF names, [out, in] layout, experts writt
   float8_e4m3fn [out, in/16] (NVFP4) or uint8 E8M0 exponents [out, in/32] (MXFP4, value 2^(e - 127)), and
   NVFP4's `weight_global_scale` float32 [1]; mirrors `compressors/nvfp4/` (`pack_fp4_to_uint8`) and
   `compressors/mxfp4/base.py` with `compressors/mx_utils.py`.
+* `kv_cache_scheme`: null, or an FP8 KV cache's args (models/quant/kv_cache.py), its `self_attn.k_scale` /
+  `v_scale` written by the attention modules themselves.
 * `quantization_config`: one config group targeting Linear (`quantization/quant_config.py`,
   `quantization/quant_args.py`), `ignore` = the float modules and the routers; `input_activations` as the
   FP8_DYNAMIC, W8A8, W4AFP8, NVFP4 and MXFP4 presets have them (per-token dynamic FP8 / int8, NVFP4 groups
@@ -37,6 +39,7 @@ from flax import nnx
 
 from models.layers import Linear
 from models.moe import Experts
+from models.numerics import E2M1_VALUES, e2m1_index
 from models.quant.schemes import FP4_GROUP, FP8_BLOCK, Scheme, parse_scheme
 from models.quant.state import QMatrix, iter_qmatrices, set_activations, set_experts, set_linear
 from models.quant.targets import ALWAYS_IGNORED, quant_units
@@ -82,7 +85,6 @@ ACT_SCHEMES = ("fp8-dynamic", "int8-w8a8", "w4afp8", "nvfp4", "mxfp4")  # with i
 def pack_fp4(q: np.ndarray) -> np.ndarray:
     """E2M1 values [rows, cols] (cols even) -> uint8 [rows, cols/2]: code = 8·signbit | magnitude index, the
     even element in the low nibble (compressed-tensors `pack_fp4_to_uint8`)."""
-    from models.quant.quantizers import e2m1_index
     qf = np.asarray(q, np.float32)
     codes = e2m1_index(qf) | (np.signbit(qf).astype(np.uint8) << 3)
     return np.ascontiguousarray(codes[:, 0::2] | (codes[:, 1::2] << 4))
@@ -90,7 +92,6 @@ def pack_fp4(q: np.ndarray) -> np.ndarray:
 
 def unpack_fp4(packed: np.ndarray) -> np.ndarray:
     """Inverse of `pack_fp4`: uint8 [rows, cols/2] -> E2M1 values float32 [rows, cols] (-0 kept)."""
-    from models.quant.quantizers import E2M1_VALUES
     b = np.asarray(packed).view(np.uint8)
     codes = np.stack([b & 0x0F, b >> 4], axis=-1).reshape(b.shape[0], -1)  # [rows, cols]
     mag = E2M1_VALUES[codes & 0x07]
@@ -236,7 +237,9 @@ def to_compressed_tensors(model: nnx.Module, scheme: Scheme, ignore: Sequence[st
         tensors.update(_tensors_for(name, qm, scheme, scale_dtype))
         if bias is not None:
             tensors[f"{name}.bias"] = np.asarray(bias[...]).astype(scale_dtype)
-    return compressed_tensors_config(scheme, ignore), tensors
+    from models.quant.kv_cache import kv_cache_scheme  # its k/v scales are the attention's own (`hf_raw`) tensors
+
+    return {**compressed_tensors_config(scheme, ignore), "kv_cache_scheme": kv_cache_scheme(model)}, tensors
 
 
 # ------------------------------------------------------------------------------------------------

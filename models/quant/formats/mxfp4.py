@@ -35,6 +35,7 @@ from jax import lax
 
 from models.layers import Linear, hf_name
 from models.moe import Experts
+from models.numerics import e2m1_index
 from models.quant.state import scheme_of
 from models.quant.targets import gpt_oss_mxfp4
 
@@ -71,8 +72,6 @@ def pack_e2m1(values: Any) -> jax.Array:
     """E2M1 values [..., n] (n a multiple of 32; any float dtype that holds them exactly: float8_e4m3fn codes,
     float32) -> uint8 [..., n/32, 16]: code = 8·signbit | magnitude index (-0 keeps its sign), the even
     element in the low nibble."""
-    from models.quant.quantizers import e2m1_index
-
     v = jnp.asarray(values).astype(jnp.float32)  # exact: E2M1 values
     *lead, n = v.shape
     if n % MX_BLOCK:
