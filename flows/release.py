@@ -51,8 +51,9 @@ def publish_report(cfg: ReleaseConfig, evaluation: ArtifactRef) -> dict[str, Any
     key = cfg.name.lower().replace("_", "-")
     create_markdown_artifact(md, key=f"{key}-eval", description=f"{cfg.name}: evaluation report")
     rows = [{"metric": f"perplexity/{k}", "value": round(v, 4)} for k, v in report["perplexity"].items()]
-    for scheme, q in report["quantization"].items():
-        rows += [{"metric": f"{scheme}/{k}", "value": round(v, 5)} for k, v in q.items()]
+    for scheme, q in report["quantization"].items():  # numbers rounded; labels (its KV cache) as they are
+        rows += [{"metric": f"{scheme}/{k}", "value": v if isinstance(v, str) else round(v, 5)}
+                 for k, v in q.items() if v is not None]
     drafts = {f"draft[{n}]": r for n, r in report.get("drafts", {}).items()}  # every candidate the stage trained
     for name, entry in {**drafts, "mtp": report.get("mtp", {})}.items():  # + a DeepSeek/GLM target's own MTP head
         for run, r in entry.get("runs", {}).items():

@@ -12,6 +12,9 @@ Checked here:
   activations, whose fine grid turns 1e-7 summation differences into a few flipped roundings end to end.
   fp8-dynamic and w4afp8 also load through transformers' own compressed path. Control: our model with
   activation quantization switched off is far from the reference;
+* each export's weights decompress through compressed-tensors' own compressors (`FloatQuantizationCompressor`,
+  `IntQuantizationCompressor`, `PackedQuantizationCompressor`, NVFP4 / MXFP4) to our dequantized weights bit
+  for bit (NVFP4: bf16-rounded, as its decompressor returns them);
 * SmoothQuant leaves the float model's function unchanged (logits within 1e-4), for a dense and an MoE family,
   while flattening the activation channels it smooths.
 """
@@ -27,7 +30,16 @@ import pytest
 import safetensors
 import torch
 import transformers
-from compressed_tensors.quantization import QuantizationArgs, QuantizationConfig, QuantizationStatus
+from compressed_tensors.compressors.mxfp4 import MXFP4PackedCompressor
+from compressed_tensors.compressors.naive_quantized import FloatQuantizationCompressor, IntQuantizationCompressor
+from compressed_tensors.compressors.nvfp4 import NVFP4PackedCompressor
+from compressed_tensors.compressors.pack_quantized import PackedQuantizationCompressor
+from compressed_tensors.quantization import (
+    QuantizationArgs,
+    QuantizationConfig,
+    QuantizationScheme,
+    QuantizationStatus,
+)
 from compressed_tensors.quantization.lifecycle.forward import forward_quantize
 from compressed_tensors.quantization.quant_scheme import preset_name_to_scheme
 from flax import nnx
@@ -162,6 +174,32 @@ def test_dense_export_matches_compressed_tensors_activation_quantization(checkpo
         hf = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager",
                                                                dtype=torch.float32).eval()
         assert rel_err(hf_logits(hf, IDS), mine) <= TOL
+
+
+COMPRESSORS = {"fp8-dynamic": FloatQuantizationCompressor, "int8-w8a8": IntQuantizationCompressor,
+               "w4afp8-g64": PackedQuantizationCompressor, "nvfp4": NVFP4PackedCompressor,
+               "mxfp4": MXFP4PackedCompressor}
+
+
+@pytest.mark.parametrize("scheme", list(COMPRESSORS))
+def test_export_decompresses_through_compressed_tensors_bit_for_bit(checkpoint, tmp_path, scheme):
+    model = from_pretrained(checkpoint("llama"))
+    quantize_model(model, parse_scheme(scheme), calibration())
+    save_pretrained(model, str(tmp_path))
+    with open(os.path.join(tmp_path, "config.json")) as f:
+        (group,) = json.load(f)["quantization_config"]["config_groups"].values()
+    cscheme = QuantizationScheme(targets=group["targets"], weights=group["weights"],
+                                 input_activations=group["input_activations"])
+    with safetensors.safe_open(os.path.join(tmp_path, "model.safetensors"), "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    for u in quant_units(model):
+        state = {k.removeprefix(f"{u.name}."): v for k, v in tensors.items()
+                 if k.startswith(f"{u.name}.") and not k.endswith((".bias", "input_global_scale"))}
+        got = COMPRESSORS[scheme].decompress(state, cscheme)["weight"].float().numpy()  # [out, in]
+        mine = np.asarray(u.module.weight()).T
+        if scheme == "nvfp4":  # compressed-tensors decompresses NVFP4 to bf16
+            mine = mine.astype(jnp.bfloat16).astype(np.float32)
+        np.testing.assert_array_equal(got, mine, err_msg=u.name)
 
 
 def _smooth_all(model, batches):

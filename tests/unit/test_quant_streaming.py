@@ -66,7 +66,8 @@ def in_model(src, scheme: str, out):
 
 @pytest.mark.parametrize("arch,scheme", [("llama", "int8"), ("llama", "w4a16-rtn-g32"), ("llama", "fp8-block"),
                                          ("llama", "nvfp4a16"), ("llama", "mxfp4a16"), ("qwen3_moe", "nvfp4a16"),
-                                         ("qwen3_moe", "w4a16-asym-rtn-g32")])
+                                         ("qwen3_moe", "w4a16-asym-rtn-g32"), ("llama", "fp8-dynamic"),
+                                         ("llama", "w4afp8-g32"), ("qwen3_moe", "mxfp4")])
 def test_streaming_equals_the_in_model_quantizer(sources, tmp_path, arch, scheme):
     src = sources(arch)
     assert len([f for f in os.listdir(src) if f.endswith(".safetensors")]) > 1  # a sharded source
@@ -116,6 +117,10 @@ def test_refusals_leave_nothing_behind(sources, tmp_path):
         quantize_checkpoint(str(src), str(out), quant.parse_scheme("w4a16-gptq-g32"))
     with pytest.raises(ValueError, match="group size 256 does not divide"):
         quantize_checkpoint(str(src), str(out), quant.parse_scheme("w4a16-rtn-g256"))
+    with pytest.raises(ValueError, match="SmoothQuant need calibration activations"):
+        quantize_checkpoint(str(src), str(out), quant.parse_scheme("int8-w8a8"))
+    with pytest.raises(ValueError, match="static activation scales .* need calibration activations"):
+        quantize_checkpoint(str(src), str(out), quant.parse_scheme("nvfp4"))
     streamed = tmp_path / "streamed"
     quantize_checkpoint(str(src), str(streamed), quant.parse_scheme("int8"))
     with pytest.raises(ValueError, match="already quantized"):
