@@ -4,6 +4,7 @@
                                [--group 128] [--calib-samples 64] [--eval-batches 16] [--out FILE.json]
     python -m benchmarks.quant --store DIR ...    # the store's newest fine-tuned model and its data
     python -m benchmarks.quant --store DIR --plant-outliers 4 --schemes nvfp4,nvfp4+rot,mxfp4+brot,...
+    python -m benchmarks.quant --store DIR --plant-outliers 4 --recover-steps 150 ...   # then trained with them
 
 `--model` is an HF checkpoint folder `models.from_pretrained` loads (e.g. `<store>/finetune/<fp>/model`),
 `--data` a data_prep artifact folder (train-*.parquet / valid-*.parquet). `--store` picks the newest
@@ -23,7 +24,10 @@ forwards + quantization, compile included).
 A scheme name with `+rot` / `+brot` is measured after `rotate: hadamard` / `hadamard-block`
 (models/quant/rotation.py), beside the same scheme unrotated (added when missing). `--plant-outliers N`
 first gives the model N outlier residual channels (`plant_outlier_channels`; the reference float model
-too).
+too); `--recover-steps K` then trains the planted model K full-parameter steps on the data's train split
+(`recover`: the rest of the network learns to live with the outliers, as a model that grew them in
+training has, instead of measuring quantization on a model the planting broke), and that trained model is
+the float reference every row is measured against.
 
 Peer ratio: each GPTQ / AWQ row is divided by the round-to-nearest row with the same bits, group and
 symmetry measured in the same run (`vs RTN` = its perplexity increase / RTN's); when that RTN scheme is not
@@ -39,6 +43,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -54,6 +59,10 @@ from models.moe import Experts
 from models.quant.rotation import attention_readers, mlp_parts
 from tasks.evaluate import EvalConfig, Gates, _batches, agreement, perplexity
 from tasks.quantize import CalibrationConfig, calibration_batches, disk_bytes
+from tasks.training.config import TrainConfig
+from tasks.training.loop import fit
+from tasks.training.save import save_model_dir
+from tasks.training.trainer import Trainer
 
 DEFAULT_SCHEMES = "int8,fp8-block,w4a16-rtn,w4a16-gptq,w4a16-awq,nvfp4a16,nvfp4a16-gptq,mxfp4a16"
 INT4_BYTES_AIM = 0.30  # issue 6: int4 weights on disk <= 0.30x their bf16 size
@@ -156,14 +165,15 @@ def rot_peer(name: str) -> str | None:
 
 
 def plant_outlier_channels(model: nnx.Module, n: int = 4, factor: float = 20.0, seed: int = 0) -> list[int]:
-    """Give the residual stream `n` fixed outlier channels, as LLMs have them (outlier features at fixed
-    hidden dimensions across tokens: Dettmers et al. 2022, arXiv:2208.07339; massive activations: Sun et
-    al. 2024, arXiv:2402.17762): the embedding's columns × factor, and every matrix reading a normed residual
-    (q/k/v or MLA's first projections, the MLP's / experts' gate/up, routers, shared experts, the LM head)
-    rows / factor, so the channels' own contribution keeps its size. Every GEMM input that reads the
-    residual then has those channels ~factor× the others. The RMS norms see a larger mean square (the other
-    channels shrink), so the planted model is a different, worse model: every measurement compares with its
-    own float output. Returns the channels. A tied LM head (the embedding itself) is left as it is."""
+    """Give the residual stream `n` fixed outlier channels at every layer, as LLMs have them (outlier features
+    in the same hidden dimensions across tokens and layers: Dettmers et al. 2022, arXiv:2208.07339; massive
+    activations: Sun et al. 2024, arXiv:2402.17762): every write to the residual in those channels × factor
+    (the embedding's columns, o_proj's and down_proj's / the experts' output columns) and every matrix
+    reading a normed residual (q/k/v or MLA's first projections, the MLP's / experts' gate/up, routers,
+    shared experts, the LM head) rows / factor, so the channels' own contribution keeps its size. Every GEMM
+    input that reads the residual then has those channels ~factor× the others, in every layer. The RMS norms
+    see a larger mean square (the other channels shrink), so the planted model is a different, worse model
+    (`--recover-steps` trains it back). Returns the channels. A tied LM head (the embedding) is left as it is."""
     D = model.config.hidden_size
     channels = sorted(np.random.default_rng(seed).choice(D, size=min(n, D), replace=False).tolist())
     c = np.asarray(channels)
@@ -176,13 +186,63 @@ def plant_outlier_channels(model: nnx.Module, n: int = 4, factor: float = 20.0, 
         else:  # a router [E, D]
             r.weight[...] = r.weight[...].at[:, c].divide(factor)
 
+    def grow(w: Any) -> None:
+        if isinstance(w, Experts):
+            w.down[...] = w.down[...].at[..., c].multiply(factor)  # [E, I, D]
+            if w.down_bias is not None:
+                w.down_bias[...] = w.down_bias[...].at[:, c].multiply(factor)  # [E, D]
+        else:
+            w.kernel[...] = w.kernel[...].at[:, c].multiply(factor)  # [in, D]
+            if w.bias is not None:
+                w.bias[...] = w.bias[...].at[c].multiply(factor)
+
     model.embed_tokens.weight[...] = model.embed_tokens.weight[...].at[:, c].multiply(factor)  # [V, D]
     for layer in model.layers:
-        for r in attention_readers(layer.self_attn) + mlp_parts(layer.mlp)[0]:
+        readers, writers = mlp_parts(layer.mlp)
+        for r in attention_readers(layer.self_attn) + readers:
             shrink(r)
+        for w in [layer.self_attn.o_proj] + writers:
+            grow(w)
     if model.lm_head is not None:
         shrink(model.lm_head)
     return channels
+
+
+def recover(model: nnx.Module, data: Path, out: Path, steps: int, learning_rate: float) -> dict[str, Any]:
+    """Train `model` (with its planted outliers) `steps` full-parameter AdamW steps on `data`'s train split and
+    write it to `out` (HF layout). No weight decay, so the planted channels are not decayed away: they stay
+    outliers and the other weights adapt to them. Returns the training metrics (validation loss before and
+    after)."""
+    cfg = TrainConfig(steps=steps, learning_rate=learning_rate, warmup_steps=min(10, steps // 5),
+                      weight_decay=0.0, batch_size=16, log_every=max(steps // 5, 1), eval_batches=4)
+    trainer = Trainer(model, cfg, trainable=nnx.Param)
+    metrics = fit(trainer, data, label="recover")
+    save_model_dir(trainer.model(), out, data)
+    return metrics
+
+
+def outlier_ratio(model: nnx.Module, channels: list[int]) -> float:
+    """Mean |x| of the outlier channels' embedding columns over the median column's: how far out they are
+    (the planting's factor before recovery; what training left of it after)."""
+    col = np.abs(np.asarray(model.embed_tokens.weight[...], np.float32)).mean(axis=0)  # [D]
+    return float(col[channels].mean() / np.median(col))
+
+
+def attention_input_outliers(model: nnx.Module, batch: dict[str, np.ndarray], channels: list[int]) -> list[float]:
+    """Per layer, what its q/k/v projections read (the normed residual, `input_layernorm(h)`): mean |x| of the
+    outlier channels over the median channel's, over one held-out batch's real tokens. Measures what the
+    activation quantizers see, after any training of the norms and projections."""
+    L = model.config.num_hidden_layers
+    _, hidden = model(batch["input_ids"], positions=batch["positions"], segment_ids=batch["segment_ids"],
+                      return_hidden=tuple(range(L - 1)))
+    inputs = [model.embed_tokens(batch["input_ids"])] + list(hidden)  # the residual entering layer i
+    real = np.asarray(batch["segment_ids"]) > 0
+    out = []
+    for layer, h in zip(model.layers, inputs, strict=True):
+        x = np.abs(np.asarray(layer.input_layernorm(h), np.float32))[real]  # [N, D]
+        col = x.mean(0)
+        out.append(float(col[channels].mean() / np.median(col)))
+    return out
 
 
 # -- measurement -----------------------------------------------------------------------------------
@@ -227,6 +287,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--plant-outliers", type=int, default=0, metavar="N",
                     help="give the model N outlier residual channels first (plant_outlier_channels)")
     ap.add_argument("--outlier-factor", type=float, default=20.0, help="their size relative to the others")
+    ap.add_argument("--recover-steps", type=int, default=0, metavar="K",
+                    help="after planting, train the model K full-parameter steps on the train split (see above)")
+    ap.add_argument("--recover-lr", type=float, default=1e-3, help="the recovery's peak learning rate")
     ap.add_argument("--out", type=Path, help="also write the rows here as JSON")
     a = ap.parse_args(argv)
 
@@ -240,10 +303,24 @@ def main(argv: list[str] | None = None) -> None:
     ccfg = CalibrationConfig(samples=a.calib_samples)
 
     planted: list[int] = []
+    recovered: dict[str, Any] = {}
+    scratch = tempfile.TemporaryDirectory(prefix="benchmarks-quant-")
+    source = a.model
+    if a.plant_outliers and a.recover_steps:
+        m = models.from_pretrained(str(a.model))
+        planted[:] = plant_outlier_channels(m, a.plant_outliers, a.outlier_factor)
+        print(f"recovering the planted model: {a.recover_steps} steps at lr {a.recover_lr:g}", flush=True)
+        t = time.perf_counter()
+        recovered = recover(m, a.data, Path(scratch.name) / "model", a.recover_steps, a.recover_lr)
+        recovered = {k: recovered[k] for k in ("steps", "valid_loss_before", "valid_loss_after")} | {
+            "seconds": round(time.perf_counter() - t, 1)}
+        print(f"  valid loss {recovered['valid_loss_before']:.4f} -> {recovered['valid_loss_after']:.4f} "
+              f"({recovered['seconds']}s)", flush=True)
+        source = Path(scratch.name) / "model"
 
     def load() -> nnx.Module:  # the float model, with the same planted outlier channels every time
-        m = models.from_pretrained(str(a.model))
-        if a.plant_outliers:
+        m = models.from_pretrained(str(source))
+        if a.plant_outliers and not recovered:
             planted[:] = plant_outlier_channels(m, a.plant_outliers, a.outlier_factor)
         return m
 
@@ -272,6 +349,7 @@ def main(argv: list[str] | None = None) -> None:
         "calibration_tokens": quant.calibration_tokens(calib), "jax": jax.__version__,
         "backend": jax.default_backend(), "device": getattr(dev, "device_kind", str(dev)),
         "outlier_channels": planted, "outlier_factor": a.outlier_factor if a.plant_outliers else None,
+        "recovery": recovered or None,
     }
     print(f"model: {setup['model']}\n  {setup['architecture']}, {setup['params'] / 1e6:.2f}M params, hidden size "
           f"{setup['hidden_size']}, {setup['layers']} layers, {setup['quantized_modules']} quantized modules "
@@ -281,7 +359,12 @@ def main(argv: list[str] | None = None) -> None:
           f"{setup['calibration_tokens']} tokens")
     print(f"jax {setup['jax']} ({setup['backend']}: {setup['device']}); schemes: {', '.join(names)}", flush=True)
     if a.plant_outliers:
-        print(f"planted outlier channels {setup['outlier_channels']} (x{a.outlier_factor:g} in the residual stream)")
+        setup["outlier_embedding_ratio"] = outlier_ratio(float_model, planted)
+        setup["outlier_attention_input_ratio"] = attention_input_outliers(float_model, batches[0], planted)
+        print(f"planted outlier channels {setup['outlier_channels']} (x{a.outlier_factor:g} in the residual stream; "
+              f"now their embedding columns' mean |x| is {setup['outlier_embedding_ratio']:.1f}x the median column's, "
+              "and what each layer's q/k/v read: "
+              + ", ".join(f"{r:.1f}x" for r in setup["outlier_attention_input_ratio"]) + ")")
 
     t0 = time.perf_counter()
     ppl_float = perplexity(float_model, batches)

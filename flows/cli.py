@@ -122,7 +122,7 @@ def _preflight(recipe: str, overrides: list[str], store: str, allow_weaker_gates
         if cfg.base.url is not None and field == "base.data.corpus":
             continue  # no pretraining: the base corpus is not read
         try:
-            check_corpus(data)
+            check_corpus(data, needs_pairs=field == "data.corpus" and cfg.finetune.method == "dpo")
         except ValueError as e:
             _fail(f"{field}: {_first_line(e).removeprefix('corpus: ')}")
     try:

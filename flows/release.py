@@ -51,6 +51,11 @@ def publish_report(cfg: ReleaseConfig, evaluation: ArtifactRef) -> dict[str, Any
     key = cfg.name.lower().replace("_", "-")
     create_markdown_artifact(md, key=f"{key}-eval", description=f"{cfg.name}: evaluation report")
     rows = [{"metric": f"perplexity/{k}", "value": round(v, 4)} for k, v in report["perplexity"].items()]
+    if "preference" in report:  # preference data: held-out pairs, fine-tuned vs base
+        p = report["preference"]
+        rows += [{"metric": f"preference/{k}", "value": round(p[k], 4)} for k in ("reward_accuracy", "reward_margin")]
+        rows += [{"metric": f"preference/{m}/chosen_preferred_per_token",
+                  "value": round(p[m]["preference_accuracy_normalized"], 4)} for m in ("base", "finetuned")]
     for scheme, q in report["quantization"].items():  # numbers rounded; labels (its KV cache) as they are
         rows += [{"metric": f"{scheme}/{k}", "value": v if isinstance(v, str) else round(v, 5)}
                  for k, v in q.items() if v is not None]

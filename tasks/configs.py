@@ -71,13 +71,35 @@ class BaseModelConfig(BaseModel):
                                      checkpoint_every=50)
 
 
-class FinetuneConfig(BaseModel):
-    """`mode: lora` trains only adapters on the modules whose HF path fullmatches one of `lora_targets`
-    (regexes; a bare name like `q_proj` matches that module in every layer; the default is every
-    projection: attention incl. MLA, dense MLP, shared and routed experts, never routers or the head)."""
+class PreferenceConfig(BaseModel):
+    """`finetune.method: dpo`: the loss on chosen / rejected pairs (tasks/training/preference.py). `loss: dpo`
+    (Rafailov et al. 2023) against the starting model's stored log-probabilities, or `simpo` (Meng et al.
+    2024), reference-free. `beta` defaults to each paper's: 0.1 for DPO, 2.0 for SimPO."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
+    loss: Literal["dpo", "simpo"] = "dpo"
+    beta: float | None = Field(None, gt=0)
+    label_smoothing: float = Field(0.0, ge=0, lt=0.5)  # conservative DPO's ε (0: the paper's loss)
+    gamma: float = Field(1.0, ge=0)  # SimPO's target reward margin γ
+    eval_batch_size: int = Field(32, ge=1)  # pairs per forward of the reference pass and held-out measurement
+
+    @property
+    def effective_beta(self) -> float:
+        return self.beta if self.beta is not None else (0.1 if self.loss == "dpo" else 2.0)
+
+
+class FinetuneConfig(BaseModel):
+    """`mode: lora` trains only adapters on the modules whose HF path fullmatches one of `lora_targets`
+    (regexes; a bare name like `q_proj` matches that module in every layer; the default is every
+    projection: attention incl. MLA, dense MLP, shared and routed experts, never routers or the head).
+    `method: sft` trains next-token cross entropy on the packed rows; `dpo` preference optimisation on
+    the data's chosen / rejected pairs (`preference`: DPO or SimPO)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    method: Literal["sft", "dpo"] = "sft"
+    preference: PreferenceConfig = PreferenceConfig()
     mode: Literal["lora", "full"] = "lora"
     lora_rank: int = Field(16, ge=1)
     lora_alpha: float = Field(32.0, gt=0)
@@ -287,6 +309,11 @@ class Gates(BaseModel):
                                  "nvfp4": 0.2, "mxfp4": 0.25})
     speculative_lossless: bool = True
     min_acceptance_length: float = Field(1.2, ge=0)  # 0 disables the gate
+    # preference data (chosen/rejected pairs in the release's data): the share of held-out pairs on which the
+    # fine-tuned model moved toward the chosen answer relative to the base (DPO's implicit reward, positive
+    # margin); 0 disables the gate. A DPO release gates on this instead of `finetune_improves` (preference
+    # optimisation does not aim at the chosen answers' perplexity, and often raises it).
+    min_preference_accuracy: float = Field(0.0, ge=0, le=1)
 
     QUANT_GATES: ClassVar[tuple[str, ...]] = ("max_quant_ppl_increase", "max_quant_kl_p99", "max_quant_flip_rate")
 
@@ -304,6 +331,7 @@ class Gates(BaseModel):
         """The gates that will judge a release shipping `schemes` (empty: nothing would be checked)."""
         on = [name for name in ("finetune_improves", "speculative_lossless") if getattr(self, name)]
         on += ["min_acceptance_length"] if self.min_acceptance_length > 0 else []
+        on += ["min_preference_accuracy"] if self.min_preference_accuracy > 0 else []
         return on + [f"{gate}[{s}]" for gate in self.QUANT_GATES for s in schemes]
 
     def waivers(self, declared: Gates, schemes: list[str] | tuple[str, ...]) -> list[dict[str, Any]]:
@@ -313,9 +341,10 @@ class Gates(BaseModel):
         for name in ("finetune_improves", "speculative_lossless"):
             if getattr(declared, name) and not getattr(self, name):
                 out.append({"gate": f"evaluate.gates.{name}", "declared": True, "effective": False})
-        if self.min_acceptance_length < declared.min_acceptance_length:
-            out.append({"gate": "evaluate.gates.min_acceptance_length", "declared": declared.min_acceptance_length,
-                        "effective": self.min_acceptance_length})
+        for name in ("min_acceptance_length", "min_preference_accuracy"):
+            if getattr(self, name) < getattr(declared, name):
+                out.append({"gate": f"evaluate.gates.{name}", "declared": getattr(declared, name),
+                            "effective": getattr(self, name)})
         for gate in self.QUANT_GATES:
             for scheme in schemes:
                 try:

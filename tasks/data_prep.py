@@ -19,6 +19,13 @@ Output folder (the stage framework uploads it and writes the manifest; this modu
     prompts.parquet         held-out generation prompts from the valid split: prompt_ids (bos + prompt),
                             reference_ids (true continuation [+ eos]), prompt_text (the prompt, without
                             a leading bos)
+    pairs-train-00000.parquet ...  preference corpora only (records with chosen / rejected answers): one
+    pairs-valid-00000.parquet ...    pair per row, each side `bos + context + answer + eos` padded to
+                              seq_len, loss on the final answer (tasks/data/rows.py PAIR_SCHEMA). The
+                              chosen side is also packed into train/valid rows like any document, so
+                              perplexity, calibration and traces read a preference corpus as they read
+                              any other. A pair whose context alone fills seq_len is dropped (counted);
+                              a longer answer is cut at seq_len (counted).
 
 Documents are `bos + tokens + eos`. Plain text trains on every target; prompt/completion documents
 train on the completion and its eos only. The split is a sha1 hash of the document's group
@@ -70,7 +77,7 @@ from tasks.cli import stage_main
 from tasks.configs import DataPrepConfig
 from tasks.data import chat, corpora
 from tasks.data.corpora import SPECIAL_TOKENS, Document
-from tasks.data.rows import PROMPT_SCHEMA, ROW_SCHEMA, SPLITS, rows_table
+from tasks.data.rows import PAIR_COLUMNS, PAIR_SCHEMA, PROMPT_SCHEMA, ROW_SCHEMA, SPLITS, pairs_table, rows_table
 from tasks.data.tokens import find_special_tokens
 from tasks.layout import model_dir
 from tasks.recipe import validate
@@ -261,6 +268,58 @@ class _ShardWriter:
                 "fill": round(self.real_tokens / max(1, self.rows * self.T), 4)}
 
 
+class _PairWriter:
+    """Preference pairs, one per row (not packed), buffered one shard at a time."""
+
+    def __init__(self, out_dir: Path, split: str, seq_len: int, shard_rows: int, pad_id: int):
+        self.out_dir, self.split, self.T, self.shard_rows, self.pad = out_dir, split, seq_len, shard_rows, pad_id
+        self.buf: dict[str, list[np.ndarray]] = {c: [] for c in PAIR_COLUMNS}
+        self.shards: list[str] = []
+        self.rows = self.dropped = self.cut = 0
+
+    def _side(self, ids: np.ndarray, trainable: np.ndarray, start: int) -> dict[str, np.ndarray]:
+        T = self.T
+        n = min(len(ids) - 1, T)  # inputs ids[:n] predict ids[1:n+1]
+        row = {"input_ids": np.full(T, self.pad, np.int32), "target_ids": np.full(T, self.pad, np.int32),
+               "positions": np.zeros(T, np.int32), "segment_ids": np.zeros(T, np.int32),
+               "loss_mask": np.zeros(T, np.int32)}
+        row["input_ids"][:n] = ids[:n]
+        row["target_ids"][:n] = ids[1 : n + 1]
+        row["positions"][:n] = np.arange(n)
+        row["segment_ids"][:n] = 1
+        mask = trainable[1 : n + 1].astype(np.int32)
+        mask[: max(start - 1, 0)] = 0  # the final answer only: earlier turns are context
+        row["loss_mask"][:n] = mask
+        return row
+
+    def add(self, chosen: tuple[np.ndarray, np.ndarray, int], rejected: tuple[np.ndarray, np.ndarray, int]) -> None:
+        """Each side as (ids, trainable, start of its final answer), as `_assemble` returns them."""
+        if max(chosen[2], rejected[2]) >= self.T:  # the context fills the row: nothing to compare
+            self.dropped += 1
+            return
+        self.cut += any(len(side[0]) - 1 > self.T for side in (chosen, rejected))
+        for name, side in zip(("chosen", "rejected"), (chosen, rejected), strict=True):
+            for c, v in self._side(*side).items():
+                self.buf[f"{name}_{c}"].append(v)
+        self.rows += 1
+        if len(self.buf["chosen_input_ids"]) == self.shard_rows:
+            self._flush()
+
+    def _flush(self) -> None:
+        n = len(self.buf["chosen_input_ids"])
+        arrays = {c: np.stack(v) if v else np.zeros((0, self.T), np.int32) for c, v in self.buf.items()}
+        name = f"pairs-{self.split}-{len(self.shards):05d}.parquet"
+        with pq.ParquetWriter(self.out_dir / name, PAIR_SCHEMA, compression="zstd") as w:
+            w.write_table(pairs_table(arrays), row_group_size=min(n, 1024) or None)
+        self.shards.append(name)
+        self.buf = {c: [] for c in PAIR_COLUMNS}
+
+    def close(self) -> dict:
+        if self.buf["chosen_input_ids"] or not self.shards:
+            self._flush()
+        return {"rows": self.rows, "dropped": self.dropped, "cut": self.cut}
+
+
 def _doc_pieces(doc: Document) -> list[str]:
     pieces = [t for exchange in doc.history for t in exchange]
     if doc.prompt is not None:
@@ -414,7 +473,7 @@ def _prepare(source, cfg: DataPrepConfig, work: Path, tokenizer_json, name: str)
                 if split_of(doc.group, cfg.valid_fraction) != "train":
                     continue
                 seen["train"] += 1
-                for piece in _doc_pieces(doc):
+                for piece in _doc_pieces(doc) + (_doc_pieces(doc.rejected) if doc.rejected else []):
                     yield _strip_markers(piece)
 
         t = time.perf_counter()
@@ -437,27 +496,37 @@ def _prepare(source, cfg: DataPrepConfig, work: Path, tokenizer_json, name: str)
 
     # 2. pack
     writers = {s: _ShardWriter(work, s, cfg.seq_len, cfg.shard_rows, sp["pad"]) for s in SPLITS}
+    pair_writers: dict[str, _PairWriter] = {}  # opened at the first preference pair
     counts = {s: {"documents": 0, "tokens": 0, "chunked_documents": 0} for s in SPLITS}
     skipped_empty = n_chat = 0
     reservoir: list[tuple[int, dict]] = []
     rng = random.Random(cfg.seed)
     n_candidates = 0
     last_log = time.perf_counter()
+    def pieces_of(d: Document) -> list[str]:
+        return _doc_pieces(d) if d.messages is None else _chat_pieces(d, template)
+
+    def assemble(d: Document, piece_ids: list[list[int]]) -> tuple[np.ndarray, np.ndarray, int]:
+        return _assemble_chat(piece_ids, sp) if d.messages is not None else _assemble(d, piece_ids, sp)
+
     for batch in _batches(_documents(source, cfg)):
-        pieces = [_doc_pieces(d) if d.messages is None else _chat_pieces(d, template) for d in batch]
-        flat = _encode_pieces(tok, [p for ps in pieces for p in ps])
-        k = 0
-        for doc, ps in zip(batch, pieces, strict=True):
+        pieces = [pieces_of(d) for d in batch]
+        rejected = [pieces_of(d.rejected) if d.rejected is not None else [] for d in batch]
+        flat = _encode_pieces(tok, [p for ps in pieces for p in ps] + [p for ps in rejected for p in ps])
+        k, kr = 0, sum(len(ps) for ps in pieces)
+        for doc, ps, rs in zip(batch, pieces, rejected, strict=True):
             piece_ids, k = flat[k : k + len(ps)], k + len(ps)
-            if doc.messages is not None:
-                ids, trainable, start = _assemble_chat(piece_ids, sp)
-                n_chat += 1
-            elif not piece_ids[-1]:  # nothing to train on
+            rejected_ids, kr = flat[kr : kr + len(rs)], kr + len(rs)
+            if doc.messages is None and not piece_ids[-1]:  # nothing to train on
                 skipped_empty += 1
                 continue
-            else:
-                ids, trainable, start = _assemble(doc, piece_ids, sp)
+            n_chat += doc.messages is not None
+            ids, trainable, start = assemble(doc, piece_ids)
             split = split_of(doc.group, cfg.valid_fraction)
+            if doc.rejected is not None and (doc.rejected.messages is not None or rejected_ids[-1]):
+                if not pair_writers:
+                    pair_writers = {s: _PairWriter(work, s, cfg.seq_len, cfg.shard_rows, sp["pad"]) for s in SPLITS}
+                pair_writers[split].add((ids, trainable, start), assemble(doc.rejected, rejected_ids))
             c = counts[split]
             c["documents"] += 1
             c["tokens"] += len(ids)
@@ -482,6 +551,7 @@ def _prepare(source, cfg: DataPrepConfig, work: Path, tokenizer_json, name: str)
         raise ValueError(f"corpus: {name} has no training documents (all {n_docs} hashed into the valid "
                          f"split at valid_fraction={cfg.valid_fraction})")
     rows = {s: writers[s].close() for s in SPLITS}
+    pairs = {s: w.close() for s, w in pair_writers.items()}
 
     # 3. prompts
     reservoir.sort(key=lambda x: x[0])
@@ -506,10 +576,13 @@ def _prepare(source, cfg: DataPrepConfig, work: Path, tokenizer_json, name: str)
         "shards": {s: rows[s]["shards"] for s in SPLITS},
         "fill": {s: rows[s]["fill"] for s in SPLITS},
         "prompts": prompts.num_rows,
+        **({"pairs": {s: pairs[s]["rows"] for s in SPLITS},
+            "pairs_dropped_context_too_long": sum(p["dropped"] for p in pairs.values()),
+            "pairs_answer_cut": sum(p["cut"] for p in pairs.values())} if pairs else {}),
     }
 
 
-_OUTPUT_GLOBS = ("train-*.parquet", "valid-*.parquet", "prompts.parquet", "tokenizer.json",
+_OUTPUT_GLOBS = ("train-*.parquet", "valid-*.parquet", "pairs-*.parquet", "prompts.parquet", "tokenizer.json",
                  "special_tokens.json", "tokenizer_config.json")
 
 
@@ -525,18 +598,25 @@ def _publish(work: Path, out_dir: Path) -> None:
 PREFLIGHT_DOCUMENTS = 10_000
 
 
-def check_corpus(cfg: DataPrepConfig, limit: int = PREFLIGHT_DOCUMENTS) -> int:
+def check_corpus(cfg: DataPrepConfig, limit: int = PREFLIGHT_DOCUMENTS, *, needs_pairs: bool = False) -> int:
     """Read and validate the first `limit` documents of the corpus, without tokenizing: an unknown builtin,
     an unreadable file, a malformed record or an empty corpus raises ValueError naming the file (and line)
     before any stage runs. The stage itself still reads everything; a bad record past `limit` fails there.
-    Returns the number of documents read."""
+    `needs_pairs` (preference optimisation): a corpus without chosen/rejected records among them is an error
+    too. Returns the number of documents read."""
     source = corpora.resolve(cfg.corpus, format=cfg.format, text_field=cfg.text_field,
                              messages_field=cfg.messages_field)
-    if cfg.corpus.startswith("builtin://"):
-        return 0  # shipped with Python or a package: known good
+    if cfg.corpus.startswith("builtin://"):  # shipped with Python or a package: known good
+        if needs_pairs and cfg.corpus.removeprefix("builtin://") not in corpora.PREFERENCE_BUILTINS:
+            raise ValueError(f"corpus: finetune.method dpo needs preference pairs (chosen/rejected records), and "
+                             f"{cfg.corpus} has none (the built-in one: builtin://python-stdlib-preferences)")
+        return 0
     docs = list(itertools.islice(source(), min(limit, cfg.max_documents or limit)))
     if not any(d.messages or d.completion.strip() for d in docs):
         raise ValueError(f"corpus: {cfg.corpus} is empty ({'no text in ' if docs else 'no '}documents)")
+    if needs_pairs and not any(d.rejected is not None for d in docs):
+        raise ValueError(f"corpus: finetune.method dpo needs preference pairs (chosen/rejected records), and the "
+                         f"first {len(docs)} documents of {cfg.corpus} hold none")
     return len(docs)
 
 

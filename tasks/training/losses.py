@@ -14,10 +14,18 @@ import optax
 from flax import nnx
 
 # A training objective: (model, batch) -> (sum of the per-token loss over the batch's loss positions, an
-# auxiliary loss added with weight `aux_loss_coef`). The step divides the sum by `loss_mask.sum()`.
-LossFn = Callable[[nnx.Module, dict[str, jax.Array]], tuple[jax.Array, jax.Array]]
+# auxiliary loss added with weight `aux_loss_coef`[, {name: a metric summed like the loss}]). The step
+# divides the sums by the batch's count (`CountFn`: `loss_mask.sum()` unless the Trainer is given another)
+# and reports the metrics beside the loss.
+LossFn = Callable[[nnx.Module, dict[str, jax.Array]], tuple[jax.Array, ...]]
+CountFn = Callable[[dict[str, jax.Array]], jax.Array]
 # An eval objective: (model, batch) -> (loss sum, token count).
 EvalFn = Callable[[nnx.Module, dict[str, jax.Array]], tuple[jax.Array, jax.Array]]
+
+
+def target_count(batch: dict[str, jax.Array]) -> jax.Array:
+    """The loss positions of a packed-rows batch: what a per-token loss sum is divided by."""
+    return batch["loss_mask"].astype(jnp.float32).sum()
 
 
 def xent_sum(model: nnx.Module, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:

@@ -22,7 +22,7 @@ from models.moe import MoE
 from models.sharding import RULES, make_mesh, named_sharding, set_activation_sharding, shard_model
 from tasks.training.config import MeshConfig, TrainConfig
 from tasks.training.data import PackedBatches
-from tasks.training.losses import EvalFn, LossFn, xent_sum, xent_sum_and_aux
+from tasks.training.losses import CountFn, EvalFn, LossFn, target_count, xent_sum, xent_sum_and_aux
 from tasks.training.optimizers import lr_schedule, make_optimizer
 
 
@@ -83,11 +83,14 @@ def prepare_for_training(model: nnx.Module, cfg: TrainConfig) -> Any:
     return eval_graphdef
 
 
-def make_train_step(graphdef: Any, tx: optax.GradientTransformation, cfg: TrainConfig, loss_fn: LossFn) -> Any:
+def make_train_step(graphdef: Any, tx: optax.GradientTransformation, cfg: TrainConfig, loss_fn: LossFn,
+                    count_fn: CountFn = target_count) -> Any:
     """The train step as a pure function (params, opt_state, rng_state, frozen, batch) -> (params, opt_state,
     rng_state, stats) over the split state of a model prepared by `prepare_for_training`: `grad_accum`
-    micro-batches scanned, the gradient summed, one optimizer update. The Trainer jits it on real arrays; the
-    capacity planner (tasks/training/plan.py) compiles the same function on abstract ones."""
+    micro-batches scanned, the gradient summed, one optimizer update. The loss sum (and any metric sums the
+    objective returns) is divided by `count_fn(batch)`, the whole batch's count (target tokens; pairs for
+    preference optimisation). The Trainer jits it on real arrays; the capacity planner
+    (tasks/training/plan.py) compiles the same function on abstract ones."""
     A, coef = cfg.grad_accum, cfg.aux_loss_coef
 
     def micro_objective(params, rng_state, frozen, mb, n_total):
@@ -95,33 +98,39 @@ def make_train_step(graphdef: Any, tx: optax.GradientTransformation, cfg: TrainC
         # its (unchanged) frozen Variables back, which nnx refuses for Variables of the enclosing jit's level
         rng_state, frozen = jax.tree.map(lambda x: x, (rng_state, frozen))
         model = nnx.merge(graphdef, params, rng_state, frozen)
-        ce_sum, aux = loss_fn(model, mb)
+        out = loss_fn(model, mb)
+        ce_sum, aux = out[0], out[1]
+        metrics = out[2] if len(out) > 2 else {}
         objective = ce_sum / n_total + coef * aux / A
-        return objective, (ce_sum, aux, nnx.state(model, nnx.RngState))
+        return objective, (ce_sum, aux, metrics, nnx.state(model, nnx.RngState))
 
     grad_fn = jax.value_and_grad(micro_objective, has_aux=True)
 
     def train_step(params, opt_state, rng_state, frozen, batch):
-        n_total = jnp.maximum(batch["loss_mask"].astype(jnp.float32).sum(), 1.0)
+        n_total = jnp.maximum(count_fn(batch), 1.0)
         if A == 1:
-            (_, (ce_sum, aux, rng_state)), grads = grad_fn(params, rng_state, frozen, batch, n_total)
+            (_, (ce_sum, aux, metrics, rng_state)), grads = grad_fn(params, rng_state, frozen, batch, n_total)
         else:
             # micro-batch m = rows m, m+A, ...: each micro-batch keeps the batch's sharding
             micro = jax.tree.map(lambda x: x.reshape(x.shape[0] // A, A, *x.shape[1:]).swapaxes(0, 1), batch)
 
             def body(carry, mb):
-                g_acc, ce_acc, aux_acc, rng = carry
-                (_, (ce, aux, rng)), g = grad_fn(params, rng, frozen, mb, n_total)
-                return (jax.tree.map(jnp.add, g_acc, g), ce_acc + ce, aux_acc + aux, rng), None
+                g_acc, ce_acc, aux_acc, m_acc, rng = carry
+                (_, (ce, aux, m, rng)), g = grad_fn(params, rng, frozen, mb, n_total)
+                return (jax.tree.map(jnp.add, g_acc, g), ce_acc + ce, aux_acc + aux,
+                        jax.tree.map(jnp.add, m_acc, m), rng), None
 
             zero = jnp.float32(0.0)
-            init = (jax.tree.map(jnp.zeros_like, params), zero, zero, rng_state)
-            (grads, ce_sum, aux, rng_state), _ = jax.lax.scan(body, init, micro)
+            first = jax.tree.map(lambda x: x[0], micro)
+            m0 = jax.tree.map(jnp.zeros_like, jax.eval_shape(lambda: micro_objective(
+                params, rng_state, frozen, first, n_total)[1][2]))
+            init = (jax.tree.map(jnp.zeros_like, params), zero, zero, m0, rng_state)
+            (grads, ce_sum, aux, metrics, rng_state), _ = jax.lax.scan(body, init, micro)
             aux = aux / A
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
         stats = {"loss": ce_sum / n_total, "grad_norm": optax.tree.norm(grads), "aux_loss": aux,
-                 "target_tokens": n_total}
+                 "target_tokens": n_total, **{k: v / n_total for k, v in metrics.items()}}
         return params, opt_state, rng_state, stats
 
     return train_step
@@ -144,10 +153,11 @@ class Trainer:
     (trainable params, RNG state, frozen rest). `model` is adopted, not copied: it is placed on the
     mesh and given the compute dtype and remat policy in place; read results from `trainer.model()`.
     `trainable` is any nnx filter; `loss_fn` / `eval_fn` replace next-token cross entropy (the EAGLE-3
-    draft trains a distillation loss this way, tasks/draft.py)."""
+    draft trains a distillation loss this way, tasks/draft.py; preference optimisation another, normalised
+    per pair by its `count_fn`, tasks/training/preference.py)."""
 
     def __init__(self, model: nnx.Module, cfg: TrainConfig, trainable: Any = nnx.Param, mesh: Mesh | None = None,
-                 loss_fn: LossFn = xent_sum_and_aux, eval_fn: EvalFn = xent_sum):
+                 loss_fn: LossFn = xent_sum_and_aux, eval_fn: EvalFn = xent_sum, count_fn: CountFn = target_count):
         self.cfg = cfg
         self.mesh = mesh if mesh is not None else mesh_from_config(cfg.mesh)
         self.rules = mesh_rules(cfg.mesh)
@@ -168,7 +178,7 @@ class Trainer:
         self.opt_state = jax.jit(self.tx.init, out_shardings=opt_sh)(self.params)
         self.opt_sh, self.rng_sh = opt_sh, shardings(self.rng_state)
         self.batch_sh = named_sharding(self.mesh, ("batch", "length"), self.rules)
-        train_step = make_train_step(self.graphdef, self.tx, cfg, loss_fn)
+        train_step = make_train_step(self.graphdef, self.tx, cfg, loss_fn, count_fn)
         eval_graphdef = self.eval_graphdef
 
         def eval_step(params, rng_state, frozen, batch):
@@ -232,7 +242,7 @@ class Trainer:
         return self._compiled is not None
 
     def step(self, batch: dict[str, np.ndarray | jax.Array]) -> dict[str, jax.Array]:
-        if not isinstance(batch["input_ids"], jax.Array):
+        if not all(isinstance(x, jax.Array) for x in batch.values()):
             batch = self.put(batch)
         if self._compiled is None:
             self.compile(batch)

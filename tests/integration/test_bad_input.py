@@ -302,6 +302,19 @@ def case_chat_no_assistant(d, ctx):
     return sets(f"data.corpus={jsonl(d, [{'messages': [{'role': 'user', 'content': 'hi'}]}])}")
 
 
+@case("`finetune.method=dpo` on a corpus without preference pairs",
+      "data.corpus: finetune.method dpo needs preference pairs (chosen/rejected records), and the first 1 "
+      "documents of file://{dir}/corpus.jsonl hold none")
+def case_dpo_without_pairs(d, ctx):
+    return sets(f"data.corpus={jsonl(d, [GOOD_CHAT])}", "finetune.method=dpo")
+
+
+@case("a preference record without `rejected`",
+      "corpus.jsonl: line 1: a preference record needs both chosen and rejected")
+def case_preference_without_rejected(d, ctx):
+    return sets(f"data.corpus={jsonl(d, [{'prompt': 'q', 'chosen': 'a'}])}", "finetune.method=dpo")
+
+
 @case("a Parquet corpus without a `text` or `messages` column", "corpus.parquet")
 def case_parquet_without_text_column(d, ctx):
     pq.write_table(pa.table({"body": ["a", "b"]}), d / "corpus.parquet")

@@ -77,3 +77,26 @@ def test_quant_rows_get_their_rtn_and_unrotated_peers():
     assert rtn_peer("w4afp8-gptq-g64") == "w4afp8-g64" and rtn_peer("fp8-dynamic") is None
     with pytest.raises(SystemExit, match="unknown quantization scheme 'nvfp5'"):
         scheme_names("nvfp5+rot", 64)
+
+
+def test_planted_outlier_channels_reach_every_layer_and_the_float_model_keeps_them_apart():
+    """benchmarks.quant's outlier model: the planted channels are outliers at every layer's q/k/v input
+    (what the activation quantizers see), not only at the embedding's; without planting they are not."""
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from benchmarks.quant import attention_input_outliers, plant_outlier_channels
+    from models import llama
+
+    cfg = llama.LlamaConfig.tiny(num_hidden_layers=3)
+    rng = np.random.default_rng(0)
+    batch = {"input_ids": jnp.asarray(rng.integers(3, cfg.vocab_size, (2, 16)), jnp.int32),
+             "positions": jnp.tile(jnp.arange(16, dtype=jnp.int32), (2, 1)),
+             "segment_ids": jnp.ones((2, 16), jnp.int32)}
+    plain = llama.Llama(cfg, rngs=nnx.Rngs(0))
+    planted = llama.Llama(cfg, rngs=nnx.Rngs(0))
+    channels = plant_outlier_channels(planted, n=2, factor=20.0)
+    before, after = attention_input_outliers(plain, batch, channels), attention_input_outliers(planted, batch, channels)
+    print(f"q/k/v input, outlier channels over the median: plain {before}, planted {after}")
+    assert len(after) == 3 and min(after) > 8 and max(before) < 2

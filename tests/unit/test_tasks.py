@@ -53,6 +53,9 @@ def test_shipped_recipes_extend_the_default(tmp_path):
     assert lora.finetune.mode == "lora" and lora.finetune.lora_dropout > 0 and lora.finetune.train.grad_accum == 2
     assert full.finetune.mode == "full"
     assert lora.base == tiny.base == full.base and lora.data == tiny.data  # only the finetune section differs
+    dpo = load_recipe("tiny-dpo")
+    assert dpo.finetune.method == "dpo" and dpo.finetune.preference.effective_beta == 0.1
+    assert dpo.base == tiny.base and dpo.data.corpus == "builtin://python-stdlib-preferences"
     loop = tmp_path / "a.yaml"
     loop.write_text("extends: b.yaml\n")
     (tmp_path / "b.yaml").write_text("extends: a.yaml\n")

@@ -1,0 +1,426 @@
+"""tasks.checkers.sandbox: untrusted code runs, fails, is stopped or is refused, and leaves nothing behind (no
+process in its group, no folder). Tests address nothing but 127.0.0.1. `-s` shows the release-note table."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tasks.checkers import sandbox
+from tasks.checkers.sandbox import Limits, Result, run_python
+
+pytestmark = pytest.mark.unit
+
+LIMITS = Limits(wall_s=10.0, cpu_s=5)
+
+
+def _group_members(pgid: int) -> list[int]:
+    """pids of the live processes whose process group is `pgid` (from /proc: `pid (comm) state ppid pgrp ...`)."""
+    members = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            members.append(int(entry))
+    return members
+
+
+def _our_children() -> list[int]:
+    """pids of the processes (zombies included) whose parent is this test process."""
+    children = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        if int(stat[stat.rindex(")") + 2 :].split()[1]) == os.getpid():
+            children.append(int(entry))
+    return children
+
+
+def _clean(result: Result) -> Result:
+    """Every run leaves no process in its group, no child of ours and no folder."""
+    assert result.pid is not None
+    with pytest.raises(ProcessLookupError):
+        os.killpg(result.pid, 0)
+    assert _group_members(result.pid) == []
+    assert result.pid not in _our_children()
+    assert result.workdir and not os.path.exists(result.workdir), result.workdir
+    assert result.status in sandbox.STATUSES
+    return result
+
+
+def run(code: str, limits: Limits = LIMITS, **kw) -> Result:
+    return _clean(run_python(code, limits=limits, **kw))
+
+
+# ---- ordinary outcomes -------------------------------------------------------------------------------------
+
+
+def test_correct_code_is_ok_with_its_stdout():
+    code = "def add(a, b):\n    return a + b\n\nassert add(2, 3) == 5\nprint('sum', add(2, 3))\n"
+    r = run(code)
+    assert (r.status, r.returncode, r.stdout, r.passed) == ("ok", 0, "sum 5\n", True)
+    assert r.wall_s < 5
+
+
+def test_a_failing_assert_is_an_error_with_its_traceback():
+    r = run("def add(a, b):\n    return a - b\n\nassert add(2, 3) == 5, 'wrong sum'\n")
+    assert (r.status, r.returncode, r.passed) == ("error", 1, False)
+    assert "AssertionError: wrong sum" in r.stderr
+    assert "_child_main" not in r.stderr  # the traceback starts at the code, not at the prelude
+
+
+def test_exit_codes_syntax_errors_and_stdin():
+    assert run("import sys\nsys.exit(3)").returncode == 3
+    assert run("import sys\nsys.exit(3)").status == "error"
+    assert run("import sys\nsys.exit(0)").status == "ok"
+    r = run("def f(:\n    pass\n")
+    assert r.status == "error" and "SyntaxError" in r.stderr
+    r = run("print(input()[::-1])", stdin="olleh\n")
+    assert (r.status, r.stdout) == ("ok", "hello\n")
+    r = run("try:\n    import readline\nexcept ImportError:\n    print('no readline')\n")  # optional: no refusal
+    assert (r.status, r.stdout) == ("ok", "no readline\n")
+
+
+def test_doctest_examples_and_the_usual_standard_library_run():
+    code = '''
+import asyncio, collections, concurrent.futures, csv, dataclasses, datetime, decimal, doctest, fractions, functools
+import hashlib, heapq, inspect, io, itertools, json, math, pathlib, pprint, random, re, statistics, string
+import subprocess, tempfile, textwrap, threading, typing, unittest, uuid
+
+def median(xs):
+    """
+    >>> median([3, 1, 2])
+    2
+    >>> median([4, 1, 3, 2])
+    2.5
+    """
+    return statistics.median(xs)
+
+assert doctest.testmod().failed == 0
+with concurrent.futures.ThreadPoolExecutor(2) as pool:
+    assert sorted(pool.map(abs, [-2, 1])) == [1, 2]
+Point = collections.namedtuple("Point", "x y", defaults=[0])
+assert Point(1) == (1, 0)
+with tempfile.TemporaryDirectory() as d:
+    (pathlib.Path(d) / "x.json").write_text(json.dumps({"a": 1}))
+    assert json.loads((pathlib.Path(d) / "x.json").read_text()) == {"a": 1}
+assert asyncio.run(asyncio.sleep(0, result=7)) == 7
+open("/dev/null", "w").write("discarded")
+print("fine")
+'''
+    r = run(code)
+    assert (r.status, r.stdout) == ("ok", "fine\n"), r.stderr
+
+
+def test_output_is_capped():
+    r = run(
+        "import sys\nsys.stdout.write('x' * 1_000_000)\nsys.stderr.write('y' * 1_000_000)",
+        Limits(max_output_bytes=1000),
+    )
+    assert r.status == "ok"
+    assert r.stdout == "x" * 1000 and r.stderr == "y" * 1000
+
+
+# ---- runaway code ------------------------------------------------------------------------------------------
+
+
+def test_a_busy_loop_hits_the_cpu_limit_and_its_group_is_gone():
+    # wall_s leaves room for a loaded 2-core machine: one CPU second can take more than one wall second there.
+    r = run("while True:\n    pass\n", Limits(wall_s=5.0, cpu_s=1))
+    assert r.status == "cpu_limit", (r.returncode, r.stderr)
+    assert r.returncode == -signal.SIGXCPU
+    assert 0.9 < r.wall_s < 5.0
+
+
+def test_a_sleeping_loop_hits_the_wall_clock_and_its_group_is_gone():
+    r = run("import time\nprint('started', flush=True)\nwhile True:\n    time.sleep(0.1)\n", Limits(wall_s=2.0))
+    assert r.status == "timeout"
+    assert r.returncode == -9
+    assert r.stdout == "started\n"  # what it printed before is kept
+    assert 2.0 <= r.wall_s < 6.0
+
+
+def test_a_large_allocation_hits_the_memory_limit():
+    r = run("x = bytearray(4 * 1024**3)\n", Limits(memory_mb=256))
+    assert r.status == "memory_limit", (r.returncode, r.stderr)
+    assert "MemoryError" in r.stderr
+
+
+def test_a_large_file_hits_the_file_size_limit():
+    r = run("with open('big.bin', 'wb') as f:\n    f.write(b'x' * (10 * 1024 * 1024))\n", Limits(file_mb=1))
+    assert r.status == "file_limit", (r.returncode, r.stderr)
+    assert "File too large" in r.stderr
+
+
+# ---- refused operations ------------------------------------------------------------------------------------
+
+
+def test_a_fork_bomb_is_blocked_and_no_process_is_left():
+    before = _our_children()
+    r = run("import os\nwhile True:\n    os.fork()\n")
+    assert r.status == "blocked" and r.returncode == sandbox.EXIT_BLOCKED
+    assert "sandbox: blocked os.fork" in r.stderr
+    assert _our_children() == before
+
+
+def test_subprocess_and_other_process_creation_is_blocked():
+    r = run("import subprocess\nsubprocess.run(['echo', 'hi'])\n")
+    assert r.status == "blocked" and "subprocess.Popen" in r.stderr
+    assert "hi" not in r.stdout
+    for code in (
+        "import os\nos.system('echo hi')",
+        "import os\nos.execv('/bin/echo', ['echo', 'hi'])",
+        "import os\nos.posix_spawn('/bin/echo', ['echo', 'hi'], {})",
+        "import _posixsubprocess\n_posixsubprocess.fork_exec()",  # no audit event covers it: a stub
+        "import multiprocessing\np = multiprocessing.Process(target=print)\np.start()\np.join()",
+        "import os\nos.kill(os.getppid(), 0)",  # signal 0: harmless if the sandbox ever let it through
+    ):
+        r = run(code)
+        assert r.status == "blocked", (code, r.returncode, r.stderr)
+        assert "hi" not in r.stdout
+
+
+def test_catching_the_refusal_does_not_help():
+    r = run("import os\ntry:\n    os.fork()\nexcept BaseException:\n    pass\nprint('survived')\n")
+    assert r.status == "blocked"
+    assert "survived" not in r.stdout
+    r = run("import atexit, os\natexit.register(os.system, 'echo hi')\nprint('registered')\n")
+    assert r.status == "blocked" and r.stdout == "registered\n"  # atexit handlers run under the hook
+
+
+def test_ctypes_is_blocked():
+    r = run("import ctypes\nctypes.CDLL(None)\n")
+    assert r.status == "blocked" and "ctypes" in r.stderr
+
+
+def test_writes_outside_the_folder_are_blocked_and_inside_work(tmp_path):
+    target = tmp_path / "target.txt"
+    r = run(f"open({str(target)!r}, 'w').write('x')\n")
+    assert r.status == "blocked" and "open for writing" in r.stderr
+    assert not target.exists()
+    for code in (
+        f"import os\nos.open({str(target)!r}, os.O_WRONLY | os.O_CREAT)",
+        f"import os\nos.mkdir({str(tmp_path / 'sub')!r})",
+        f"import os\nos.rename('main.py', {str(target)!r})",
+        f"import shutil\nshutil.rmtree({str(tmp_path)!r})",
+        "import os\nos.symlink('/etc', 'etc')",
+        "import os\nos.chdir('/tmp')",
+        "open('../escape.txt', 'w')",
+        f"import os\nfd = os.open({str(tmp_path)!r}, os.O_RDONLY)\nos.open('x', os.O_WRONLY | os.O_CREAT, dir_fd=fd)",
+        "import sqlite3\nsqlite3.connect('/tmp/sandbox-escape.db')",
+    ):
+        r = run(code)
+        assert r.status == "blocked", (code, r.returncode, r.stderr)
+    assert sorted(p.name for p in tmp_path.iterdir()) == []
+    assert not os.path.exists("/tmp/sandbox-escape.db")
+    inside = """
+import os, pathlib, shutil
+open("out.txt", "w").write("hello")
+os.mkdir("d")
+os.rename("out.txt", "d/o.txt")
+pathlib.Path("d/touched").touch()
+fd = os.open("d", os.O_RDONLY)
+os.close(os.open("x", os.O_CREAT, dir_fd=fd))  # relative to the descriptor: d/x
+print(open("d/o.txt").read(), os.getcwd() == os.environ["HOME"], sorted(os.listdir("d")))
+shutil.rmtree("d")
+"""
+    r = run(inside)
+    assert (r.status, r.stdout) == ("ok", "hello True ['o.txt', 'touched', 'x']\n"), r.stderr
+
+
+def test_the_workers_secrets_cannot_be_read():
+    # The parent's environment (/proc/<pid>/environ) is where a worker's credentials live.
+    r = run("import os\nprint(open(f'/proc/{os.getppid()}/environ').read())\n")
+    assert r.status == "blocked" and "open for reading" in r.stderr
+    assert r.stdout == ""
+    r = run("import os\nprint(sorted(os.environ))\n")
+    assert r.stdout == "['HOME', 'LANG', 'LC_ALL', 'MALLOC_ARENA_MAX', 'PATH', 'TMPDIR']\n"
+
+
+def test_a_connection_to_our_own_server_is_blocked():
+    accepted: list[socket.socket] = []
+    server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)
+    server.settimeout(0.2)
+    port = server.getsockname()[1]
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = server.accept()
+            except OSError:  # timeout
+                continue
+            accepted.append(conn)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        code = f"import socket\ns = socket.create_connection(('127.0.0.1', {port}), timeout=2)\ns.sendall(b'exfil')\n"
+        r = run(code)
+        assert r.status == "blocked" and "socket" in r.stderr
+        time.sleep(0.3)  # a connection that got through would have been accepted by now
+        assert accepted == []
+        for code in (
+            "import socket\nsocket.socket(socket.AF_UNIX).connect('/tmp/no-such-sandbox-test.sock')",
+            "import socket\nsocket.socket(socket.AF_INET6)",
+            "import socket\nsocket.getaddrinfo('127.0.0.1', 80)",
+        ):
+            r = run(code)
+            assert r.status == "blocked", (code, r.returncode, r.stderr)
+    finally:
+        stop.set()
+        thread.join(5)
+        server.close()
+        for conn in accepted:
+            conn.close()
+
+
+def test_the_hook_cannot_be_reached_or_unhooked():
+    for code in (
+        "import gc\ngc.get_objects()",
+        "import resource\nresource.setrlimit(resource.RLIMIT_CPU, (100, 100))",
+        "import _xxsubinterpreters as x\nx.create()",
+        "import sys\ndel sys.modules['_posixsubprocess']\nimport _posixsubprocess",
+        "import _posixsubprocess\n_posixsubprocess.fork_exec.__defaults__ = (print,)",
+    ):
+        r = run(code)
+        assert r.status == "blocked", (code, r.returncode, r.stderr)
+
+
+def test_bypassing_the_preludes_exit_still_ends_blocked():
+    # A tracer rebinds the prelude's `_exit` to a no-op, hoping for interpreter finalization (hooks cleared, a
+    # __del__ running free): finalization's own audit event ends the run instead.
+    code = """
+import sys
+
+def tracer(frame, event, arg):
+    if frame.f_code.co_name == "_child_main":
+        frame.f_locals["_exit"] = lambda code: None
+    return tracer
+
+class Bomb:
+    def __del__(self):
+        import os
+        os.system("echo escaped")
+
+bomb = Bomb()
+sys._getframe(1).f_trace = tracer
+sys.settrace(tracer)
+print("armed", flush=True)
+"""
+    r = run(code)
+    assert r.status == "blocked", (r.returncode, r.stderr)
+    assert r.stdout == "armed\n"
+
+
+# ---- the layers under the hook -----------------------------------------------------------------------------
+
+PROBE = """
+import os
+status = dict(line.split(":", 1) for line in open("/proc/self/status").read().splitlines() if ":" in line)
+print(os.getuid(), status["CapEff"].strip(), status["NoNewPrivs"].strip(), os.readlink("/proc/self/ns/net"))
+"""
+
+
+def _can_unshare() -> bool:
+    """Whether a process of ours may enter a new network namespace (not in a default Docker container)."""
+    flags = 0x40000000 if os.geteuid() == 0 else 0x50000000  # CLONE_NEWNET (| CLONE_NEWUSER)
+    code = f"import ctypes; print(ctypes.CDLL(None, use_errno=True).unshare({flags}))"
+    probe = subprocess.run([sys.executable, "-I", "-S", "-c", code], capture_output=True, text=True)
+    return probe.stdout.strip() == "0"
+
+
+def test_the_child_runs_in_its_own_network_namespace_without_privileges():
+    r = run(PROBE)
+    assert r.status == "ok", r.stderr
+    uid, cap_eff, no_new_privs, netns = r.stdout.split()
+    assert no_new_privs == "1"
+    assert int(cap_eff, 16) == 0  # uid 0 (here), nobody, or a user namespace's root: no capability
+    if _can_unshare():
+        assert netns != os.readlink("/proc/self/ns/net")
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not os.access("/usr/bin/python3.11", os.X_OK), reason="needs root and a system Python"
+)
+def test_a_root_worker_with_a_world_readable_python_drops_to_nobody(monkeypatch, tmp_path):
+    monkeypatch.setattr(sandbox, "_PYTHON", "/usr/bin/python3.11")
+    probe = subprocess.run(
+        ["/usr/bin/python3.11", "-I", "-S", "-c", "import sys; print(sys.path)"], capture_output=True
+    )
+    if probe.returncode != 0:
+        pytest.skip("the system Python does not start")
+    code = "import shutil\nopen('w.txt', 'w')\nos.makedirs('a/b')\nshutil.rmtree('a')\nprint(sorted(os.listdir()))\n"
+    r = run(PROBE + code)  # the folder is handed to `nobody`; rmtree's dir_fd walk still resolves
+    assert r.status == "ok", r.stderr
+    first, second = r.stdout.splitlines()
+    assert second == "['main.py', 'w.txt']"
+    uid, cap_eff, no_new_privs, netns = first.split()
+    assert (int(uid), int(cap_eff, 16), no_new_privs) == (sandbox._nobody()[0], 0, "1")
+    assert netns != os.readlink("/proc/self/ns/net") or not _can_unshare()
+    target = tmp_path / "t"
+    r = run(f"import os\nos.fork()\nopen({str(target)!r}, 'w')")
+    assert r.status == "blocked" and not target.exists()
+
+
+def test_limits_are_validated():
+    with pytest.raises(ValueError):
+        Limits(wall_s=0)
+    with pytest.raises(ValueError):
+        Limits(memory_mb=0)
+
+
+# ---- the release-note table --------------------------------------------------------------------------------
+
+
+def test_release_note_table(tmp_path):
+    """One run per case, printed as case | status | wall seconds (pytest -s shows it)."""
+    target = tmp_path / "outside.txt"
+    cases = [
+        ("correct function + asserts", "def f(x):\n    return x * 2\nassert f(2) == 4\n", LIMITS, "ok"),
+        ("failing assert", "assert 1 + 1 == 3\n", LIMITS, "error"),
+        ("busy loop (cpu_s=1)", "while True:\n    pass\n", Limits(wall_s=5.0, cpu_s=1), "cpu_limit"),
+        ("sleep loop (wall_s=2)", "import time\nwhile True:\n    time.sleep(0.1)\n", Limits(wall_s=2.0), "timeout"),
+        ("4 GiB bytearray (memory_mb=256)", "x = bytearray(4 * 1024**3)\n", Limits(memory_mb=256), "memory_limit"),
+        ("10 MB file (file_mb=1)", "open('f', 'wb').write(b'x' * 10**7)\n", Limits(file_mb=1), "file_limit"),
+        ("fork bomb", "import os\nwhile True:\n    os.fork()\n", LIMITS, "blocked"),
+        ("subprocess.run(['echo'])", "import subprocess\nsubprocess.run(['echo', 'hi'])\n", LIMITS, "blocked"),
+        ("write outside the folder", f"open({str(target)!r}, 'w').write('x')\n", LIMITS, "blocked"),
+        ("read the worker's environ", "import os\nopen(f'/proc/{os.getppid()}/environ').read()\n", LIMITS, "blocked"),
+        ("connect to 127.0.0.1", "import socket\nsocket.create_connection(('127.0.0.1', 9), 1)\n", LIMITS, "blocked"),
+        (
+            "fork caught by the code",
+            "import os\ntry:\n    os.fork()\nexcept BaseException:\n    pass\n",
+            LIMITS,
+            "blocked",
+        ),
+        ("ctypes.CDLL(None)", "import ctypes\nctypes.CDLL(None)\n", LIMITS, "blocked"),
+    ]
+    rows = []
+    for name, code, limits, expected in cases:
+        r = run(code, limits)
+        rows.append((name, r.status, r.wall_s))
+        assert r.status == expected, (name, r.returncode, r.stderr)
+    width = max(len(name) for name, _, _ in rows)
+    lines = [f"{'case':<{width}} | {'status':<12} | wall s", f"{'-' * width}-+-{'-' * 12}-+-------"]
+    lines += [f"{name:<{width}} | {status:<12} | {wall:6.2f}" for name, status, wall in rows]
+    print("\n" + "\n".join(lines) + f"\n(python {sys.version.split()[0]}, euid {os.geteuid()})")
