@@ -89,23 +89,66 @@ class PreferenceConfig(BaseModel):
         return self.beta if self.beta is not None else (0.1 if self.loss == "dpo" else 2.0)
 
 
+class GRPOConfig(BaseModel):
+    """`finetune.method: grpo` (tasks/training/grpo.py): `train.batch_size` completions per step, in groups of
+    `group_size` per prompt, scored by the checker registered as `checker` (tasks/checkers/)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    checker: str = "arithmetic"
+    group_size: int = Field(8, ge=2)
+    max_new_tokens: int = Field(8, ge=1)
+    temperature: float = Field(1.0, gt=0)  # sampling temperature of the rollouts (and of the ratio's logits)
+    top_p: float = Field(1.0, gt=0, le=1)
+    clip_eps: float = Field(0.2, gt=0, lt=1)
+    beta: float = Field(0.04, ge=0)  # KL to the reference (the starting model); 0: no reference forward
+    scale_rewards: bool = True  # divide by the group's std (GRPO); False: Dr. GRPO
+    loss_agg: Literal["sequence", "token"] = "sequence"  # per completion then mean (GRPO), or per token (DAPO)
+    eval_every: int = Field(25, ge=1)  # held-out pass@1 every this many steps
+    eval_prompts: int = Field(256, ge=1)  # held-out prompts (data_prep's prompts.parquet, capped at what it has)
+    eval_batch_size: int = Field(64, ge=1)
+
+    @field_validator("checker")
+    @classmethod
+    def _registered(cls, v: str) -> str:
+        from tasks.checkers import get
+
+        get(v)  # an unknown checker: ValueError listing the known ones
+        return v
+
+
 class FinetuneConfig(BaseModel):
     """`mode: lora` trains only adapters on the modules whose HF path fullmatches one of `lora_targets`
     (regexes; a bare name like `q_proj` matches that module in every layer; the default is every
     projection: attention incl. MLA, dense MLP, shared and routed experts, never routers or the head).
     `method: sft` trains next-token cross entropy on the packed rows; `dpo` preference optimisation on
-    the data's chosen / rejected pairs (`preference`: DPO or SimPO)."""
+    the data's chosen / rejected pairs (`preference`: DPO or SimPO); `grpo` RL with verifiable rewards on
+    the data's prompts (`grpo`: group size, checker, clip, KL)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    method: Literal["sft", "dpo"] = "sft"
+    method: Literal["sft", "dpo", "grpo"] = "sft"
+    # dpo / grpo: first this many SFT steps on the data's packed rows (the `train` settings, its steps replaced),
+    # the usual SFT -> preference / RL chain; the reference (DPO's stored log-probabilities, GRPO's KL) is then
+    # the SFT model
+    sft_steps: int = Field(0, ge=0)
     preference: PreferenceConfig = PreferenceConfig()
+    grpo: GRPOConfig = GRPOConfig()
     mode: Literal["lora", "full"] = "lora"
     lora_rank: int = Field(16, ge=1)
     lora_alpha: float = Field(32.0, gt=0)
     lora_dropout: float = Field(0.0, ge=0, lt=1)
     lora_targets: tuple[str, ...] = ALL_LINEAR
     train: TrainConfig = TrainConfig(steps=150, learning_rate=2e-3, warmup_steps=10, checkpoint_every=50)
+
+    @model_validator(mode="after")
+    def _groups_fill_the_batch(self) -> FinetuneConfig:
+        if self.method == "sft" and self.sft_steps:
+            raise ValueError("sft_steps precedes method dpo or grpo; for method sft set train.steps")
+        if self.method == "grpo" and self.train.batch_size % self.grpo.group_size:
+            raise ValueError(f"train.batch_size {self.train.batch_size} (completions per step) is not a multiple of "
+                             f"grpo.group_size {self.grpo.group_size}")
+        return self
 
 
 class CalibrationConfig(BaseModel):

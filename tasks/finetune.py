@@ -22,14 +22,17 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from tokenizers import Tokenizer
 
 import models
 from models import lora
 from storage import Store
+from tasks import checkers
 from tasks.cli import OPTIONAL_PATH, PATH, stage_main
 from tasks.configs import FinetuneConfig
 from tasks.layout import model_dir
 from tasks.stage import StageContext
+from tasks.training import grpo
 from tasks.training import preference as pm
 from tasks.training.checkpoints import Checkpoints
 from tasks.training.distributed import is_primary
@@ -47,6 +50,7 @@ def finetune(
     out_dir: Path,
     *,
     checkpoints: Checkpoints | None = None,
+    sft_checkpoints: Checkpoints | None = None,
     progress: Progress | None = None,
     base_name: str = "base",
 ) -> dict[str, Any]:
@@ -57,21 +61,48 @@ def finetune(
         lora.apply_lora(model, rank=cfg.lora_rank, alpha=cfg.lora_alpha, targets=cfg.lora_targets,
                         dropout=cfg.lora_dropout, rngs=nnx.Rngs(cfg.train.seed))
     trainable = nnx.LoRAParam if cfg.mode == "lora" else nnx.Param
+    # the method's inputs are checked before any training (an SFT phase included)
     if cfg.method == "dpo":
         objective, loader, preference = _preference(cfg, data_dir)
+    elif cfg.method == "grpo":
+        rl = _grpo_inputs(cfg, data_dir)
+    extra: dict[str, Any] = {}
+    reference = None  # GRPO's KL reference: the model the method starts from
+    if cfg.sft_steps:  # SFT first: the method (and its reference) start from the SFT model
+        sft = Trainer(model, cfg.train.model_copy(update={"steps": cfg.sft_steps}), trainable=trainable, mesh=mesh)
+        m = fit(sft, data_dir, checkpoints=sft_checkpoints, progress=progress, label=f"finetune[sft,{cfg.mode}]",
+                logdir=out_dir / "tensorboard" / "sft")
+        extra["sft"] = {k: m[k] for k in ("steps", "valid_loss_before", "valid_loss_after", "final_train_loss")}
+        model = sft.model()
+        if cfg.method == "grpo" and cfg.grpo.beta > 0:  # a copy: the next Trainer donates the model's buffers
+            graphdef, state = nnx.split(model)
+            reference = nnx.merge(graphdef, jax.tree.map(jnp.copy, state))
+    if cfg.method == "dpo":
         trainer = Trainer(model, cfg.train, trainable=trainable, mesh=mesh, **objective)
+    elif cfg.method == "grpo":
+        g = cfg.grpo
+        trainer = Trainer(model, cfg.train, trainable=trainable, mesh=mesh,
+                          loss_fn=grpo.grpo_objective(clip_eps=g.clip_eps, beta=g.beta, loss_agg=g.loss_agg,
+                                                      temperature=g.temperature),
+                          count_fn=grpo.grpo_count(g.loss_agg))
     else:
         trainer = Trainer(model, cfg.train, trainable=trainable, mesh=mesh)
     n_trainable = sum(x.size for x in jax.tree.leaves(trainer.params))
     log.info("finetune[%s, %s]: %d trainable parameters", cfg.method, cfg.mode, n_trainable)
-    extra: dict[str, Any] = {}
     if cfg.method == "dpo":
-        loader, extra = _before_preference(cfg, trainer, data_dir, out_dir, loader, preference)
+        loader, before = _before_preference(cfg, trainer, data_dir, out_dir, loader, preference)
+        extra |= before
         metrics = fit(trainer, data_dir, checkpoints=checkpoints, progress=progress,
                       label=f"finetune[{cfg.method},{cfg.mode}]", logdir=out_dir / "tensorboard", loader=loader)
         valid = loader(data_dir, "valid", cfg.preference.eval_batch_size, shuffle=False)
         extra["preference_after"] = pm.preference_metrics(trainer.model(), valid, trainer.put, **preference)
         log.info("finetune[dpo]: held-out %s", json.dumps(extra["preference_after"]))
+    elif cfg.method == "grpo":
+        if cfg.grpo.beta > 0 and reference is None:  # the base loaded again (LoRA: the weights, adapters off)
+            reference = models.from_pretrained(str(base_dir), dtype=jnp.float32, mesh=mesh,
+                                               rules=mesh_rules(cfg.train.mesh))
+        metrics = grpo.fit_grpo(trainer, reference, cfg.grpo, *rl, checkpoints=checkpoints, progress=progress,
+                                logdir=out_dir / "tensorboard", label=f"finetune[grpo,{cfg.mode}]")
     else:
         metrics = fit(trainer, data_dir, checkpoints=checkpoints, progress=progress, label=f"finetune[{cfg.mode}]",
                       logdir=out_dir / "tensorboard")
@@ -87,6 +118,33 @@ def finetune(
             lora.save_peft_adapter(model, str(dest), base_model_name_or_path=base_name)
     save_model_dir(model, out_dir / "model", data_dir)
     return {**metrics, **extra, "method": cfg.method, "mode": cfg.mode, "trainable_params": int(n_trainable)}
+
+
+def _grpo_inputs(cfg: FinetuneConfig, data_dir: Path) -> tuple[Any, ...]:
+    """`method: grpo`'s data: (train prompts, held-out prompts, the checker's score, decode) and eos/pad as
+    `fit_grpo` takes them. The checker must judge every held-out prompt (an error naming the checker and the
+    data otherwise); train prompts it does not judge are dropped."""
+    g = cfg.grpo
+    tok = Tokenizer.from_file(str(data_dir / "tokenizer.json"))
+    special = json.loads((data_dir / "special_tokens.json").read_text())
+
+    def decode(ids: list[int]) -> str:
+        return tok.decode(ids, skip_special_tokens=True)
+
+    heldout = grpo.heldout_prompts(data_dir, g.eval_prompts)
+    checker = checkers.get(g.checker)
+    judged = [t for t in heldout.text if checker.applies(t)]
+    if not heldout or len(judged) < len(heldout):
+        raise ValueError(f"finetune.grpo.checker: {g.checker!r} judges {len(judged)} of the {len(heldout)} held-out "
+                         f"prompts of {data_dir} ({checker.description}); pick a checker for this data")
+    train = grpo.train_prompts(data_dir, decode)
+    keep = [i for i, t in enumerate(train.text) if checker.applies(t)]
+    train = grpo.PromptSet([train.ids[i] for i in keep], [train.text[i] for i in keep])
+    if not len(train):
+        raise ValueError(f"finetune.grpo: no train prompt of {data_dir} is one {g.checker!r} judges")
+    log.info("finetune[grpo]: %d train prompts, %d held-out, checker %s, %d completions per step in groups of %d",
+             len(train), len(heldout), g.checker, cfg.train.batch_size, g.group_size)
+    return train, heldout, checker.score, decode, special["eos"], special["pad"]
 
 
 def _preference(cfg: FinetuneConfig, data_dir: Path) -> tuple[dict[str, Any], Any, dict[str, Any]]:
@@ -132,12 +190,17 @@ def run(config: FinetuneConfig, inputs: Mapping[str, Path], output: Path, *, pro
     base = model_dir(inputs["base"])
     if context is None:
         return finetune(config, base, inputs["data"], output, progress=progress, base_name=str(base.resolve()))
-    ckpt = Checkpoints.for_stage(context, config.train.keep_checkpoints)
+    # two phases (sft_steps): two sibling checkpoint folders, each resumed on its own
+    keep = config.train.keep_checkpoints
+    ckpt = Checkpoints.for_stage(context, keep, sub=config.method if config.sft_steps else None)
+    sft = Checkpoints.for_stage(context, keep, sub="sft") if config.sft_steps else None
     try:
-        return finetune(config, base, inputs["data"], output, checkpoints=ckpt, progress=progress,
+        return finetune(config, base, inputs["data"], output, checkpoints=ckpt, sft_checkpoints=sft, progress=progress,
                         base_name=context.key_of("base", base.relative_to(inputs["base"]).as_posix()))
     finally:
         ckpt.close()
+        if sft is not None:
+            sft.close()
 
 
 def main(argv: list[str] | None = None) -> None:

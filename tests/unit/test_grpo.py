@@ -1,0 +1,173 @@
+"""GRPO's objective (tasks/training/grpo.py) against the paper's formula written out per token in plain
+Python, on known log-probabilities: group-relative advantages, the clipped ratio, the k3 KL estimate, the
+per-completion and per-token aggregations; and the clip stops the gradient where the paper says it does."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from tasks.training import grpo
+
+pytestmark = pytest.mark.unit
+
+REWARDS = [[1.0, 0.0, 0.0, 1.0], [0.0, 0.0, 0.0, 0.0], [1.0, 1.0, 1.0, 0.0]]
+
+
+def test_group_advantages():
+    adv = np.asarray(grpo.group_advantages(jnp.asarray(REWARDS), eps=1e-4))
+    for g, row in zip(REWARDS, adv, strict=True):
+        mean = sum(g) / len(g)
+        std = math.sqrt(sum((r - mean) ** 2 for r in g) / len(g))
+        np.testing.assert_allclose(row, [(r - mean) / (std + 1e-4) for r in g], rtol=1e-5)
+    assert (adv[1] == 0).all()  # all equal: nothing to learn from this group
+    centred = np.asarray(grpo.group_advantages(jnp.asarray(REWARDS), scale=False))
+    np.testing.assert_allclose(centred[2], [0.25, 0.25, 0.25, -0.75])
+
+
+def _reference(new, old, ref, adv, mask, eps, beta, agg):
+    per_seq, tok_sum, tok_n = [], 0.0, 0
+    for i in range(len(new)):
+        terms = []
+        for t in range(len(new[i])):
+            if not mask[i][t]:
+                continue
+            rho = math.exp(new[i][t] - old[i][t])
+            surr = min(rho * adv[i], min(max(rho, 1 - eps), 1 + eps) * adv[i])
+            kl = math.exp(ref[i][t] - new[i][t]) - (ref[i][t] - new[i][t]) - 1
+            terms.append(surr - beta * kl)
+        per_seq.append(sum(terms) / max(len(terms), 1))
+        tok_sum += sum(terms)
+        tok_n += len(terms)
+    return -(sum(per_seq) / len(per_seq)) if agg == "sequence" else -(tok_sum / tok_n)
+
+
+@pytest.mark.parametrize("agg", ["sequence", "token"])
+def test_loss_is_the_papers_formula(agg):
+    rng = np.random.default_rng(0)
+    N, T = 6, 7
+    old = rng.uniform(-3, -0.1, (N, T))
+    new = old + rng.normal(0, 0.3, (N, T))  # ratios inside and outside [0.8, 1.2]
+    ref = old + rng.normal(0, 0.2, (N, T))
+    adv = rng.normal(0, 1, N)
+    mask = (rng.random((N, T)) < 0.7).astype(np.int32)
+    mask[:, 0] = 1
+    loss, m = grpo.grpo_loss(*(jnp.asarray(x, jnp.float32) for x in (new, old, ref, adv)), jnp.asarray(mask),
+                             clip_eps=0.2, beta=0.04, loss_agg=agg)
+    want = _reference(new.tolist(), old.tolist(), ref.tolist(), adv.tolist(), mask.tolist(), 0.2, 0.04, agg)
+    assert float(loss) == pytest.approx(want, rel=1e-5)
+    assert 0 < float(m["clip_fraction"]) < 1 and float(m["kl"]) > 0
+
+
+def test_clipped_tokens_carry_no_gradient():
+    """A positive advantage with ρ > 1 + ε (or a negative one with ρ < 1 - ε) is clipped: no gradient; inside the
+    range the gradient is the policy gradient -A·ρ/|o| (β = 0)."""
+    old = jnp.zeros((1, 3))
+    adv = jnp.asarray([2.0])
+    new = jnp.log(jnp.asarray([[1.5, 1.1, 0.5]]))  # ρ = 1.5 (clipped), 1.1, 0.5 (min picks the unclipped)
+    g = jax.grad(lambda x: grpo.grpo_loss(x, old, None, adv, jnp.ones((1, 3)), beta=0.0)[0])(new)
+    np.testing.assert_allclose(np.asarray(g), [[0.0, -2.0 * 1.1 / 3, -2.0 * 0.5 / 3]], rtol=1e-6)
+
+
+def test_sampled_logps_use_the_sampling_temperature():
+    logits = jnp.asarray([[[2.0, 0.0, -1.0]]])
+    got = grpo.sampled_logps(logits, jnp.asarray([[0]]), temperature=0.5)
+    want = 4.0 - math.log(math.exp(4.0) + 1.0 + math.exp(-2.0))
+    assert float(got[0, 0]) == pytest.approx(want, rel=1e-6)
+
+
+# -- the loop ----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def arithmetic_base(tmp_path_factory):
+    """data_prep on builtin://arithmetic (its own small tokenizer) and a random tiny Llama on that vocabulary."""
+    import json
+
+    from flax import nnx
+
+    import models
+    from tasks.data_prep import DataPrepConfig, run_local
+    from tasks.training.save import save_model_dir
+
+    root = tmp_path_factory.mktemp("grpo")
+    data = root / "data"
+    run_local(DataPrepConfig(corpus="builtin://arithmetic", seq_len=32, vocab_size=300, max_documents=2000,
+                             max_prompts=32), data)
+    special = json.loads((data / "special_tokens.json").read_text())
+    cfg = models.LlamaConfig.tiny(vocab_size=special["vocab_size"], bos_token_id=special["bos"],
+                                  eos_token_id=special["eos"], pad_token_id=special["pad"])
+    save_model_dir(models.Llama(cfg, rngs=nnx.Rngs(0)), root / "base", data)
+    return root / "base", data
+
+
+def _vowel_start(prompt: str, completion: str) -> float:
+    """A test checker a random model can learn fast: does the completion start with a vowel?"""
+    return float(completion.lstrip()[:1] in tuple("aeiouAEIOU"))
+
+
+def test_grpo_raises_the_reward_and_reports_its_curves(arithmetic_base, tmp_path, monkeypatch):
+    from tasks import checkers
+    from tasks.checkers.registry import CHECKERS, Checker
+    from tasks.configs import FinetuneConfig, GRPOConfig
+    from tasks.finetune import finetune
+    from tasks.training.config import TrainConfig
+
+    monkeypatch.setitem(CHECKERS, "vowel_start", Checker("vowel_start", _vowel_start, lambda p: True, "test"))
+    base, data = arithmetic_base
+    cfg = FinetuneConfig(method="grpo", mode="full",
+                         grpo=GRPOConfig(checker="vowel_start", group_size=8, max_new_tokens=4, eval_every=10,
+                                         eval_prompts=32, eval_batch_size=32),
+                         train=TrainConfig(steps=30, batch_size=32, learning_rate=1e-2, warmup_steps=2,
+                                           log_every=10))
+    out = finetune(cfg, base, data, tmp_path / "out")
+    reward = [r for _, r in out["curves"]["reward"]]
+    print("reward curve", [round(r, 2) for r in reward], out["accuracy_before"], out["accuracy_after"])
+    assert np.mean(reward[-5:]) > np.mean(reward[:5]) + 0.3, reward
+    assert out["accuracy_after"]["accuracy_t1"] > out["accuracy_before"]["accuracy_t1"] + 0.2, out
+    assert {"kl", "clip_fraction", "completion_tokens", "accuracy_t0", "accuracy_t1"} <= set(out["curves"])
+    assert out["curves"]["kl"][-1][1] > 0  # the policy moved away from the reference
+    assert checkers.get("arithmetic")  # the registry is intact
+
+
+def test_grpo_config_and_data_errors_name_the_field(arithmetic_base, tiny_base, tmp_path):
+    from pydantic import ValidationError
+
+    from tasks.configs import FinetuneConfig, GRPOConfig
+    from tasks.finetune import finetune
+    from tasks.training.config import TrainConfig
+
+    with pytest.raises(ValidationError, match=r"unknown checker 'nope' \(known: .*arithmetic"):
+        GRPOConfig(checker="nope")
+    with pytest.raises(ValidationError, match="batch_size 12 .* not a multiple of grpo.group_size 8"):
+        FinetuneConfig(method="grpo", train=TrainConfig(batch_size=12))
+    base, data = tiny_base  # stdlib docstring -> body prompts: not arithmetic
+    with pytest.raises(ValueError, match=r"finetune.grpo.checker: 'arithmetic' judges 0 of the \d+ held-out prompts"):
+        finetune(FinetuneConfig(method="grpo", train=TrainConfig(steps=1, batch_size=8)), base, data, tmp_path / "o")
+    assert not (tmp_path / "o" / "model").exists()
+
+
+def test_sft_then_grpo_starts_from_the_sft_model(arithmetic_base, tmp_path, monkeypatch):
+    """`sft_steps`: SFT on the packed rows first (its validation loss falls), then GRPO from that model, whose
+    held-out accuracy before RL is the SFT model's; with `method: sft` the key is refused."""
+    from pydantic import ValidationError
+
+    from tasks.checkers.registry import CHECKERS, Checker
+    from tasks.configs import FinetuneConfig, GRPOConfig
+    from tasks.finetune import finetune
+    from tasks.training.config import TrainConfig
+
+    monkeypatch.setitem(CHECKERS, "vowel_start", Checker("vowel_start", _vowel_start, lambda p: True, "test"))
+    base, data = arithmetic_base
+    cfg = FinetuneConfig(method="grpo", mode="lora", sft_steps=20,
+                         grpo=GRPOConfig(checker="vowel_start", max_new_tokens=4, eval_prompts=16, eval_batch_size=16),
+                         train=TrainConfig(steps=2, batch_size=16, learning_rate=1e-2, warmup_steps=1))
+    out = finetune(cfg, base, data, tmp_path / "out")
+    assert out["sft"]["steps"] == 20 and out["sft"]["valid_loss_after"] < out["sft"]["valid_loss_before"] - 0.2
+    assert out["steps"] == 2 and len(out["curves"]["reward"]) == 2 and len(out["curves"]["accuracy_t0"]) == 2
+    with pytest.raises(ValidationError, match="sft_steps precedes method dpo or grpo"):
+        FinetuneConfig(sft_steps=5)
