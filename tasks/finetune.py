@@ -137,7 +137,7 @@ def _grpo_inputs(cfg: FinetuneConfig, data_dir: Path) -> tuple[Any, ...]:
     if not heldout or len(judged) < len(heldout):
         raise ValueError(f"finetune.grpo.checker: {g.checker!r} judges {len(judged)} of the {len(heldout)} held-out "
                          f"prompts of {data_dir} ({checker.description}); pick a checker for this data")
-    train = grpo.train_prompts(data_dir, decode)
+    train = grpo.train_prompts(data_dir, decode, special["bos"])
     keep = [i for i, t in enumerate(train.text) if checker.applies(t)]
     train = grpo.PromptSet([train.ids[i] for i in keep], [train.text[i] for i in keep])
     if not len(train):

@@ -65,7 +65,7 @@ from tasks.cli import PATH, stage_main
 from tasks.code import code_version
 from tasks.configs import TracesConfig
 from tasks.data.features import hidden_for_rows, write_hidden
-from tasks.data.rows import COLUMNS, SPLITS, pack_answers, read_rows, write_rows
+from tasks.data.rows import COLUMNS, SPLITS, pack_answers, prompts_from_rows, read_rows, write_rows
 from tasks.layout import TOKENIZER_FILES, model_dir
 from tasks.stage import StageContext, write_report
 from tasks.training.config import Progress
@@ -92,29 +92,6 @@ def resolve_aux_layer_ids(aux_layer_ids: Sequence[int] | None, num_layers: int) 
 
 
 # -- prompts ---------------------------------------------------------------------------------------
-
-
-def prompts_from_rows(data_dir: Path, split: str, limit: int, bos: int, max_len: int, skip: int = 0) -> list[list[int]]:
-    """Recover prompts from packed rows: a segment that starts with `bos` and whose loss region starts
-    after some prompt tokens yields `input_ids[start : first_loss + 1]` (the last prompt token
-    predicts the first answer token). Plain-text segments (loss from the first token) yield their
-    first half, so the stage also works on unstructured corpora."""
-    out: list[list[int]] = []
-    for f in sorted(Path(data_dir).glob(f"{split}-*.parquet")):
-        table = pq.read_table(f, columns=["input_ids", "segment_ids", "loss_mask"])
-        for ids, seg, mask in zip(*(table.column(c).to_pylist() for c in table.column_names), strict=True):
-            ids, seg, mask = np.asarray(ids), np.asarray(seg), np.asarray(mask)
-            for s in np.unique(seg[seg > 0]):
-                where = np.flatnonzero(seg == s)
-                if ids[where[0]] != bos:
-                    continue  # a continuation chunk, not a document start
-                loss = np.flatnonzero(mask[where])
-                end = int(loss[0]) + 1 if len(loss) and loss[0] > 0 else max(1, len(where) // 2)
-                if end <= max_len:
-                    out.append(ids[where[:end]].tolist())
-                if len(out) >= skip + limit:
-                    return out[skip:]
-    return out[skip:]
 
 
 def heldout_prompts(data_dir: Path, limit: int, max_len: int) -> list[list[int]]:

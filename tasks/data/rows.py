@@ -108,3 +108,26 @@ def pack_answers(sequences: Iterator[tuple[list[int], list[int]]], seq_len: int,
         cur["loss_mask"] += loss
     flush()
     return rows
+
+
+def prompts_from_rows(data_dir: Path, split: str, limit: int, bos: int, max_len: int, skip: int = 0) -> list[list[int]]:
+    """Recover prompts from packed rows: a segment that starts with `bos` and whose loss region starts
+    after some prompt tokens yields `input_ids[start : first_loss + 1]` (the last prompt token
+    predicts the first answer token). Plain-text segments (loss from the first token) yield their
+    first half, so the stage also works on unstructured corpora."""
+    out: list[list[int]] = []
+    for f in sorted(Path(data_dir).glob(f"{split}-*.parquet")):
+        table = pq.read_table(f, columns=["input_ids", "segment_ids", "loss_mask"])
+        for ids, seg, mask in zip(*(table.column(c).to_pylist() for c in table.column_names), strict=True):
+            ids, seg, mask = np.asarray(ids), np.asarray(seg), np.asarray(mask)
+            for s in np.unique(seg[seg > 0]):
+                where = np.flatnonzero(seg == s)
+                if ids[where[0]] != bos:
+                    continue  # a continuation chunk, not a document start
+                loss = np.flatnonzero(mask[where])
+                end = int(loss[0]) + 1 if len(loss) and loss[0] > 0 else max(1, len(where) // 2)
+                if end <= max_len:
+                    out.append(ids[where[:end]].tolist())
+                if len(out) >= skip + limit:
+                    return out[skip:]
+    return out[skip:]

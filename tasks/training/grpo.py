@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,7 +34,7 @@ import pyarrow.parquet as pq
 from flax import nnx
 
 from models.generate import generate
-from tasks.data.rows import read_rows
+from tasks.data.rows import prompts_from_rows
 from tasks.training.config import TrainingDiverged
 from tasks.training.tensorboard import TensorBoardWriter
 
@@ -151,22 +152,11 @@ class PromptSet:
         return len(self.ids)
 
 
-def train_prompts(data_dir: Path, decode: Callable[[list[int]], str], limit: int | None = None) -> PromptSet:
-    """The prompts of the data's train split, read back from its packed rows: in each segment, the tokens up
-    to the first loss position (the answer's first token is that position's target)."""
-    ids: list[np.ndarray] = []
-    for f in sorted(Path(data_dir).glob("train-*.parquet")):
-        rows = read_rows(f)
-        for r in range(len(rows["input_ids"])):
-            seg, mask, inp = rows["segment_ids"][r], rows["loss_mask"][r], rows["input_ids"][r]
-            for s in np.unique(seg[seg > 0]):
-                where = np.flatnonzero(seg == s)
-                trained = where[mask[where] > 0]
-                if len(trained) and rows["positions"][r][where[0]] == 0:  # a document's first chunk
-                    ids.append(inp[where[0] : trained[0] + 1].astype(np.int32))
-            if limit is not None and len(ids) >= limit:
-                return PromptSet(ids[:limit], [decode(x[1:].tolist()) for x in ids[:limit]])
-    return PromptSet(ids, [decode(x[1:].tolist()) for x in ids])
+def train_prompts(data_dir: Path, decode: Callable[[list[int]], str], bos: int) -> PromptSet:
+    """The prompts of the data's train split, read back from its packed rows (tasks/data/rows.py
+    `prompts_from_rows`: each document's tokens up to its first loss position)."""
+    ids = prompts_from_rows(data_dir, "train", sys.maxsize, bos, sys.maxsize)
+    return PromptSet([np.asarray(x, np.int32) for x in ids], [decode(x[1:]) for x in ids])
 
 
 def heldout_prompts(data_dir: Path, limit: int | None = None) -> PromptSet:

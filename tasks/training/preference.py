@@ -91,10 +91,6 @@ def count_pairs(data_dir: Path, split: str) -> int:
 # -- log-probabilities -----------------------------------------------------------------------------
 
 
-def _side(batch: dict[str, jax.Array], side: str) -> dict[str, jax.Array]:
-    return {c: batch[f"{side}_{c}"] for c in COLUMNS}
-
-
 def token_logps(model: nnx.Module, batch: dict[str, jax.Array]) -> jax.Array:
     """log π(target | prefix) per position of a packed-rows batch, fp32 [B, T] (0 off the loss mask)."""
     logits = model(batch["input_ids"], positions=batch["positions"], segment_ids=batch["segment_ids"])
