@@ -36,6 +36,7 @@ from flax import nnx
 from models.generate import generate
 from tasks.data.rows import prompts_from_rows
 from tasks.training.config import TrainingDiverged
+from tasks.training.losses import with_moe_aux
 from tasks.training.tensorboard import TensorBoardWriter
 
 log = logging.getLogger("forgeline.grpo")
@@ -119,9 +120,7 @@ def grpo_objective(*, clip_eps: float, beta: float, loss_agg: LossAgg, temperatu
         return total, m
 
     def objective(model: nnx.Module, batch: dict[str, jax.Array]):
-        (total, m), sown = nnx.capture(inner, nnx.Intermediate)(model, batch)
-        leaves = [jnp.sum(x) for x in jax.tree.leaves(sown)]
-        aux = sum(leaves, jnp.float32(0.0)) / max(len(leaves), 1)
+        (total, m), aux = with_moe_aux(inner, model, batch)
         # metrics are divided by the step's count like the loss: report them per completion token instead
         return total, aux, {k: m[k] for k in ("kl", "clip_fraction", "ratio", "tokens")}
 

@@ -7,6 +7,7 @@ distillation loss in through the same contract (tasks/draft.py)."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -37,9 +38,16 @@ def xent_sum(model: nnx.Module, batch: dict[str, jax.Array]) -> tuple[jax.Array,
     return (ce * mask).sum(), mask.sum()
 
 
-def xent_sum_and_aux(model: nnx.Module, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
-    """(`xent_sum`'s cross-entropy sum, the MoE load-balancing loss averaged over the MoE layers; 0 for
-    a dense model), the latter captured from what the layers sow during this forward."""
-    (ce_sum, _), sown = nnx.capture(xent_sum, nnx.Intermediate)(model, batch)
+def with_moe_aux(fn: Callable[..., Any], model: nnx.Module, batch: dict[str, jax.Array]) -> tuple[Any, jax.Array]:
+    """(`fn(model, batch)`, the MoE load-balancing loss averaged over the MoE layers; 0 for a dense model), the
+    latter captured from what the layers sow during this forward. Every objective that trains a policy
+    (SFT, DPO, GRPO) reports it this way."""
+    out, sown = nnx.capture(fn, nnx.Intermediate)(model, batch)
     leaves = [jnp.sum(x) for x in jax.tree.leaves(sown)]
-    return ce_sum, sum(leaves, jnp.float32(0.0)) / max(len(leaves), 1)
+    return out, sum(leaves, jnp.float32(0.0)) / max(len(leaves), 1)
+
+
+def xent_sum_and_aux(model: nnx.Module, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
+    """(`xent_sum`'s cross-entropy sum, the MoE load-balancing loss: `with_moe_aux`)."""
+    (ce_sum, _), aux = with_moe_aux(xent_sum, model, batch)
+    return ce_sum, aux

@@ -45,6 +45,7 @@ from jax.experimental import multihost_utils
 
 from tasks.data.rows import COLUMNS, SIDES, read_pairs
 from tasks.training.data import PackedBatches
+from tasks.training.losses import with_moe_aux
 
 REF = "ref_logp"  # per-token reference log-probabilities of a side: `<side>_ref_logp` [R, T] float32
 
@@ -164,9 +165,8 @@ def preference_objective(loss: str, beta: float, label_smoothing: float = 0.0,
 
     def objective(model: nnx.Module, batch: dict[str, jax.Array]):
         # an MoE policy sows its load-balancing loss in this forward, as in SFT (losses.xent_sum_and_aux)
-        (total, metrics), sown = nnx.capture(pairs, nnx.Intermediate)(model, batch)
-        leaves = [jnp.sum(x) for x in jax.tree.leaves(sown)]
-        return total, sum(leaves, jnp.float32(0.0)) / max(len(leaves), 1), metrics
+        (total, metrics), aux = with_moe_aux(pairs, model, batch)
+        return total, aux, metrics
 
     return objective
 
