@@ -31,6 +31,11 @@ run order:
   which (on a GPU, unless FORGELINE_MOE_IMPL is set) train_moe then runs.
 - load: models.from_pretrained of a local safetensors checkpoint written in this run, GB/s, against
   safetensors.torch.load_file (+ one copy of each tensor) when torch is importable (benchmarks/load.py).
+- rollout: GRPO's rollout path (tasks/training/grpo.py `sample(trainer.model(), ...)`, the region fit_grpo
+  times) vs plain `models.generate` on the same model, pre-padded batch and rng (benchmarks/rollout.py), at
+  the train_dense model size (fp32 master weights, bf16 compute on a GPU), the decode section's larger batch
+  in groups of (up to) 8 and its new tokens. Target >= 90% (a same-run ratio, judged on any device at
+  the real sizes; not at the toy ones, where a step takes milliseconds and fixed per-call costs dominate).
 
 Every section is bounded (warm-up + a few timed steps, and an alarm), and sections are skipped once
 `--budget` seconds are spent; a failing section prints its error in its row and the rest still run;
@@ -76,9 +81,11 @@ PEAKS: tuple[tuple[str, float, float], ...] = (
     ("B200", 2250e12, 8.0e12),
     ("L40S", 362e12, 0.864e12),
 )
-TARGETS = {"train_dense": 0.55, "train_moe": 0.40, "decode": 0.70}  # fraction of the published bound (H200)
+# fraction of the published bound (H200); rollout: of its peer measured in the same run
+TARGETS = {"train_dense": 0.55, "train_moe": 0.40, "decode": 0.70, "rollout": 0.90}
 # in run order: `attention` and `moe_impl` pick the kernels the training sections after them use
-SECTIONS = ("bounds", "attention", "train_dense", "decode", "speculative", "moe_impl", "train_moe", "load")
+SECTIONS = ("bounds", "attention", "train_dense", "decode", "speculative", "moe_impl", "train_moe", "load",
+            "rollout")
 
 
 def published_peaks(device_kind: str) -> tuple[float, float] | None:
@@ -501,9 +508,40 @@ def bench_load(s: Sizes, ctx: dict[str, Any]) -> list[Row]:
                 "safetensors.torch.load_file + copy", note=note)]
 
 
+# -- GRPO rollout ----------------------------------------------------------------------------------
+
+
+def bench_rollout(s: Sizes, ctx: dict[str, Any]) -> list[Row]:
+    """GRPO's rollout path vs plain generate of the same model, batch and rng (benchmarks/rollout.py)."""
+    import models
+    from benchmarks.rollout import random_prompts
+    from benchmarks.rollout import run as rollout
+
+    cfg = models.LlamaConfig(**s.dense)
+    batch = s.decode_batches[1]
+    group = min(8, batch // 2)
+    r = rollout(models.Llama(cfg, rngs=nnx.Rngs(0)), random_prompts(cfg.vocab_size, 64, s.prompt // 2, s.prompt),
+                batch_size=batch, group_size=group, max_new_tokens=s.new_tokens, temperature=1.0, top_p=1.0,
+                eos=int(cfg.eos_token_id), pad=0, beta=0.04, repeats=max(s.repeats, 3),
+                compute_dtype="bfloat16" if jax.default_backend() == "gpu" else "float32")
+    gc.collect()
+    note = (f"B={batch} ({batch // group} prompts x {group}), {s.new_tokens} new tokens, T=1; "
+            f"{r.step_tokens:.0f} of {r.padded_slots} slots produced; identical tokens: {r.identical}; "
+            f"(a)-(b) {(r.rollout_s - r.peer_s) * 1e3:+.1f} ms/step (trainer.model() {r.model_s * 1e3:.1f} ms, "
+            f"pad+put {r.pad_put_s * 1e3:.1f} ms, fetch+trim {r.fetch_trim_s * 1e3:.1f} ms)")
+    return [Row("rollout", "GRPO rollout, sample() as fit_grpo times it (tokens/s)", r.rollout_tps, "tok/s",
+                r.peer_tps, "plain generate (same model, batch, rng)", TARGETS["rollout"], note,
+                judged=s is not TOY),  # at toy sizes a step is a few ms: fixed per-call costs, not the aim
+            Row("rollout", "rollout + packing + reference log-prob forward (tokens/s)",
+                r.full_tps, "tok/s", r.peer_tps, "plain generate",
+                note=f"not counted by the target; reference forward {(r.ref_s or 0.0) * 1e3:.1f} ms, packing "
+                     f"{r.pack_s * 1e3:.1f} ms per step")]
+
+
 BENCHES: dict[str, Callable[[Sizes, dict[str, Any]], list[Row]]] = {
     "bounds": bench_bounds, "attention": bench_attention, "train_dense": bench_train_dense, "decode": bench_decode,
     "speculative": bench_speculative, "moe_impl": bench_moe_impl, "train_moe": bench_train_moe, "load": bench_load,
+    "rollout": bench_rollout,
 }
 
 

@@ -19,10 +19,11 @@ export, but the release pointer moves only when the gates the recipe declares al
 
 from __future__ import annotations
 
+import base64
 from typing import Any
 
 from prefect import flow, get_run_logger
-from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from prefect.artifacts import create_image_artifact, create_markdown_artifact, create_table_artifact
 
 import storage
 from flows.execution import cancel_stage_runs
@@ -56,6 +57,15 @@ def publish_report(cfg: ReleaseConfig, evaluation: ArtifactRef) -> dict[str, Any
         rows += [{"metric": f"preference/{k}", "value": round(p[k], 4)} for k in ("reward_accuracy", "reward_margin")]
         rows += [{"metric": f"preference/{m}/chosen_preferred_per_token",
                   "value": round(p[m]["preference_accuracy_normalized"], 4)} for m in ("base", "finetuned")]
+    if "rl" in report:  # GRPO: held-out pass@1 at the start of RL (after SFT) and after it
+        rl = report["rl"]
+        rows += [{"metric": f"rl/{rl['checker']}/{when}/pass@1 T={k[len('accuracy_t'):]}", "value": round(v, 4)}
+                 for when in ("accuracy_before", "accuracy_after") for k, v in rl[when].items()]
+    for name, t in report.get("tasks", {}).items():  # pass@1 per model and temperature, and the ceiling
+        rows += [{"metric": f"task/{name}/{m}/pass@1 T={k[1:]}", "value": round(v, 4)}
+                 for m, acc in t["accuracy"].items() for k, v in acc.items()]
+        rows.append({"metric": f"task/{name}/reference ({t['split']}, {t['prompts']} prompts)",
+                     "value": round(t["reference"], 4)})
     for scheme, q in report["quantization"].items():  # numbers rounded; labels (its KV cache) as they are
         rows += [{"metric": f"{scheme}/{k}", "value": v if isinstance(v, str) else round(v, 5)}
                  for k, v in q.items() if v is not None]
@@ -71,6 +81,19 @@ def publish_report(cfg: ReleaseConfig, evaluation: ArtifactRef) -> dict[str, Any
     return report
 
 
+def publish_curves(cfg: ReleaseConfig, finetuned: ArtifactRef) -> None:
+    """The fine-tune's curves (finetune/curves.png: loss, DPO rewards, GRPO reward / KL / held-out accuracy) as
+    an image artifact in the UI. The PNG travels inside the artifact as a data URL (a few tens of kB), so the
+    UI shows it without reaching the store."""
+    url = finetuned.file("curves.png")
+    if not storage.exists(url):  # an artifact from before curves were written
+        return
+    png = base64.b64encode(storage.read_bytes(url)).decode("ascii")
+    key = cfg.name.lower().replace("_", "-")
+    create_image_artifact(f"data:image/png;base64,{png}", key=f"{key}-curves",
+                          description=f"{cfg.name}: fine-tuning curves ({cfg.finetune.method}, {cfg.finetune.mode})")
+
+
 @flow(name="release", log_prints=True, on_failure=[cancel_stage_runs], on_crashed=[cancel_stage_runs],
       on_cancellation=[cancel_stage_runs])
 def release(recipe: str = "tiny", overrides: list[str] | None = None, store: str = DEFAULT_STORE,
@@ -84,6 +107,7 @@ def release(recipe: str = "tiny", overrides: list[str] | None = None, store: str
     base = base_stage(cfg, stages)
     data = stages.run("data_prep", "data_prep", cfg.data, {"tokenizer": base})
     finetuned = stages.run("finetune", "finetune", cfg.finetune, {"base": base, "data": data})
+    publish_curves(cfg, stages.result(finetuned))
     quantized = stages.run("quantize", "quantize", cfg.quantize, {"model": finetuned, "data": data})
     served = cfg.served_model(finetuned, quantized)  # the draft learns the model that will actually serve
     traces = stages.run("traces", "traces", cfg.served("traces"), {"model": served, "data": data})

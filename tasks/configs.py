@@ -132,6 +132,9 @@ class FinetuneConfig(BaseModel):
     # the usual SFT -> preference / RL chain; the reference (DPO's stored log-probabilities, GRPO's KL) is then
     # the SFT model
     sft_steps: int = Field(0, ge=0)
+    # the SFT phase's settings (batch, learning rate, schedule), `steps` replaced by sft_steps; None: `train`'s.
+    # RL wants a far smaller learning rate than the SFT that precedes it. Both phases train on train's mesh.
+    sft_train: TrainConfig | None = None
     preference: PreferenceConfig = PreferenceConfig()
     grpo: GRPOConfig = GRPOConfig()
     mode: Literal["lora", "full"] = "lora"
@@ -145,6 +148,10 @@ class FinetuneConfig(BaseModel):
     def _groups_fill_the_batch(self) -> FinetuneConfig:
         if self.method == "sft" and self.sft_steps:
             raise ValueError("sft_steps precedes method dpo or grpo; for method sft set train.steps")
+        if self.sft_train is not None and not self.sft_steps:
+            raise ValueError("sft_train sets the SFT phase, which runs only with sft_steps > 0")
+        if self.sft_train is not None and self.sft_train.mesh != self.train.mesh:
+            raise ValueError("sft_train.mesh: both phases train on train.mesh (leave sft_train.mesh unset)")
         if self.method == "grpo" and self.train.batch_size % self.grpo.group_size:
             raise ValueError(f"train.batch_size {self.train.batch_size} (completions per step) is not a multiple of "
                              f"grpo.group_size {self.grpo.group_size}")
@@ -357,6 +364,15 @@ class Gates(BaseModel):
     # margin); 0 disables the gate. A DPO release gates on this instead of `finetune_improves` (preference
     # optimisation does not aim at the chosen answers' perplexity, and often raises it).
     min_preference_accuracy: float = Field(0.0, ge=0, le=1)
+    # task accuracy (every registered checker that judges some of the data's prompts, tasks/checkers/): the
+    # fine-tuned model's pass@1 at temperature 0 on each task, at least this (0 disables the gate) ...
+    min_task_accuracy: float = Field(0.0, ge=0, le=1)
+    # ... and each quantized variant's pass@1 at temperature 0 at most this far below the fine-tuned model's
+    # (absolute, on the same prompts: a paired comparison; 1 disables the gate)
+    max_task_accuracy_drop: float = Field(0.05, ge=0, le=1)
+    # finetune.method grpo: held-out pass@1 (T=0) after RL minus before it (the SFT start), as the finetune stage
+    # measured it on its checker's prompts (its training.json); 0 disables the gate
+    min_rl_accuracy_gain: float = Field(0.0, ge=0, le=1)
 
     QUANT_GATES: ClassVar[tuple[str, ...]] = ("max_quant_ppl_increase", "max_quant_kl_p99", "max_quant_flip_rate")
 
@@ -375,6 +391,9 @@ class Gates(BaseModel):
         on = [name for name in ("finetune_improves", "speculative_lossless") if getattr(self, name)]
         on += ["min_acceptance_length"] if self.min_acceptance_length > 0 else []
         on += ["min_preference_accuracy"] if self.min_preference_accuracy > 0 else []
+        on += ["min_task_accuracy"] if self.min_task_accuracy > 0 else []
+        on += ["min_rl_accuracy_gain"] if self.min_rl_accuracy_gain > 0 else []
+        on += [f"max_task_accuracy_drop[{s}]" for s in schemes] if self.max_task_accuracy_drop < 1 else []
         return on + [f"{gate}[{s}]" for gate in self.QUANT_GATES for s in schemes]
 
     def waivers(self, declared: Gates, schemes: list[str] | tuple[str, ...]) -> list[dict[str, Any]]:
@@ -384,10 +403,13 @@ class Gates(BaseModel):
         for name in ("finetune_improves", "speculative_lossless"):
             if getattr(declared, name) and not getattr(self, name):
                 out.append({"gate": f"evaluate.gates.{name}", "declared": True, "effective": False})
-        for name in ("min_acceptance_length", "min_preference_accuracy"):
+        for name in ("min_acceptance_length", "min_preference_accuracy", "min_task_accuracy", "min_rl_accuracy_gain"):
             if getattr(self, name) < getattr(declared, name):
                 out.append({"gate": f"evaluate.gates.{name}", "declared": getattr(declared, name),
                             "effective": getattr(self, name)})
+        if self.max_task_accuracy_drop > declared.max_task_accuracy_drop:
+            out.append({"gate": "evaluate.gates.max_task_accuracy_drop", "declared": declared.max_task_accuracy_drop,
+                        "effective": self.max_task_accuracy_drop})
         for gate in self.QUANT_GATES:
             for scheme in schemes:
                 try:
@@ -419,6 +441,11 @@ class EvalConfig(BaseModel):
     tree_depth: int = Field(5, ge=1)
     tree_tokens: int = Field(16, ge=1)
     spec_target: str = "finetuned"  # the model the draft serves with: "finetuned" or a quantized scheme
+    # task accuracy: per registered checker, up to this many of the data's held-out prompts it judges (from the
+    # train split, said so in the report, when none of the held-out ones); 0 turns task accuracy off
+    task_prompts: int = Field(64, ge=0)
+    task_max_new_tokens: int | None = Field(None, ge=1)  # a cap on each checker's own answer budget (None: none)
+    task_batch_size: int = Field(32, ge=1)
     seed: int = 0
     gates: Gates = Gates()
     # The recipe's own gates when the command line loosened them (`--allow-weaker-gates`): the report lists

@@ -12,6 +12,10 @@ Measured in one run, on the same held-out rows and prompts:
 - on preference data (chosen/rejected pairs, tasks/training/preference.py), over the held-out pairs: the
   base's and the fine-tuned model's own preference for the chosen answers, and the fine-tuned model's
   implicit reward against the base (gate `min_preference_accuracy`);
+- task accuracy: for every registered checker (tasks/checkers/) that judges some of the data's prompts (the
+  held-out ones; the train split's, said so, when it judges none held out), pass@1 greedy and at
+  `serve_temperature` of the base, the fine-tuned model and each quantized variant, and the data's own
+  answers' score as the ceiling (gates `min_task_accuracy`, `max_task_accuracy_drop`);
 - every draft candidate of the draft artifact (EAGLE-3, P-EAGLE, DFlash; and, for DeepSeek-V3/GLM-4.5
   targets, the target's own MTP head): speculative decoding vs plain decoding of the served target (the
   fine-tuned model or the quantized variant named by `spec_target`), at the same batch size, on held-out
@@ -33,8 +37,10 @@ import functools
 import json
 import logging
 import math
+import sys
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +50,7 @@ import numpy as np
 import optax
 import pyarrow.parquet as pq
 from flax import nnx
+from tokenizers import Tokenizer
 
 import models
 from models import quant
@@ -51,13 +58,17 @@ from models.draft_format import folder_kind
 from models.drafts import load_draft, target_head
 from models.generate import generate
 from models.speculative import MTPDraft, is_block_draft, speculative_generate
+from tasks import checkers
 from tasks.cli import OPTIONAL_PATH, PATH, stage_main
 from tasks.configs import EvalConfig, Gates
+from tasks.data.rows import documents_from_rows
 from tasks.layout import draft_candidates, model_dir
 from tasks.stage import StageContext, read_report, write_report
+from tasks.training import grpo
 from tasks.training import preference as pm
 from tasks.training.config import Progress
 from tasks.training.data import PackedBatches
+from tasks.training.grpo import PromptSet
 
 log = logging.getLogger("forgeline.evaluate")
 
@@ -315,6 +326,20 @@ def gates(report: dict[str, Any], g: Gates) -> list[dict[str, Any]]:
         acc = report["preference"]["reward_accuracy"]
         out.append({"gate": "held-out preference accuracy (fine-tuned vs base)", "value": acc,
                     "threshold": g.min_preference_accuracy, "passed": acc >= g.min_preference_accuracy})
+    if g.min_rl_accuracy_gain > 0 and "rl" in report:
+        gain = report["rl"]["accuracy_after"]["accuracy_t0"] - report["rl"]["accuracy_before"]["accuracy_t0"]
+        out.append({"gate": f"RL ({report['rl']['checker']}): held-out pass@1 gain over its start (T=0)",
+                    "value": gain, "threshold": g.min_rl_accuracy_gain, "passed": gain >= g.min_rl_accuracy_gain})
+    for name, t in report.get("tasks", {}).items():
+        acc = t["accuracy"]
+        if g.min_task_accuracy > 0:
+            out.append({"gate": f"task {name}: fine-tuned pass@1 (T=0)", "value": acc["finetuned"]["t0"],
+                        "threshold": g.min_task_accuracy, "passed": acc["finetuned"]["t0"] >= g.min_task_accuracy})
+        if g.max_task_accuracy_drop < 1:
+            for scheme in report["quantization"]:
+                drop = acc["finetuned"]["t0"] - acc[scheme]["t0"]
+                out.append({"gate": f"task {name}: {scheme} pass@1 drop vs fine-tuned (T=0)", "value": drop,
+                            "threshold": g.max_task_accuracy_drop, "passed": drop <= g.max_task_accuracy_drop})
     if "draft" in report:
         d = report["draft"]
         if g.speculative_lossless:
@@ -353,6 +378,77 @@ def preference_report(base: nnx.Module, finetuned: nnx.Module, data_dir: Path, c
             "base": pm.own_preference(lp["base"]), "finetuned": pm.own_preference(lp["finetuned"])}
 
 
+# -- task accuracy ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Task:
+    """The prompts a registered checker judges, from one split of the data, with their reference answers."""
+
+    checker: checkers.Checker
+    split: str  # "valid" (held out), or "train" when the checker judges no held-out prompt
+    prompts: PromptSet
+    references: list[str]  # the data's own answers: their score is the task's ceiling
+
+
+def task_sets(data_dir: Path, cfg: EvalConfig, decode: Callable[[list[int]], str], bos: int,
+              eos: int) -> dict[str, Task]:
+    """Per registered checker that judges some of the data's documents: up to `task_prompts` of them, held
+    out when it judges any held-out document, else from the train split (the default release's documented
+    standard-library functions with doctest examples all fall in its train modules). Documents are read back
+    from the packed rows (`documents_from_rows`), the first `TASK_SCAN` of each split."""
+    if cfg.task_prompts == 0:
+        return {}
+    out: dict[str, Task] = {}
+    for split in ("valid", "train"):
+        docs = documents_from_rows(data_dir, split, TASK_SCAN, bos, sys.maxsize)
+        texts = [decode(p[1:]) for p, _ in docs]
+        for name, idx in checkers.judged(texts).items():
+            if name not in out:
+                idx = idx[: cfg.task_prompts]
+                refs = [docs[i][1][: docs[i][1].index(eos)] if eos in docs[i][1] else docs[i][1] for i in idx]
+                out[name] = Task(checkers.get(name), split,
+                                 PromptSet([np.asarray(docs[i][0], np.int32) for i in idx], [texts[i] for i in idx]),
+                                 [decode(r) for r in refs])
+    return out
+
+
+TASK_SCAN = 20_000  # documents read per split when looking for the prompts a checker judges
+
+
+def task_temperatures(cfg: EvalConfig) -> list[float]:
+    """pass@1 greedy and at the serving temperature (one entry when the release serves greedy)."""
+    return sorted({0.0, cfg.serve_temperature})
+
+
+def task_max_new_tokens(task: Task, cfg: EvalConfig) -> int:
+    return min(task.checker.max_new_tokens, cfg.task_max_new_tokens or task.checker.max_new_tokens)
+
+
+def task_accuracy(model: nnx.Module, tasks: dict[str, Task], cfg: EvalConfig, decode: Callable[[list[int]], str],
+                  eos: int, pad: int) -> dict[str, dict[str, float]]:
+    """pass@1 of `model` on each task at each of `task_temperatures`: one completion per prompt, through the
+    jitted decoder (tasks/training/grpo.py `accuracy`), scored by the task's checker; {task: {"t0": acc}}."""
+    return {name: {f"t{t:g}": grpo.accuracy(model, task.prompts, task.checker.score, decode, temperature=t,
+                                            max_new_tokens=task_max_new_tokens(task, cfg), eos=eos, pad=pad,
+                                            prompt_len=max(len(p) for p in task.prompts.ids),
+                                            batch_size=cfg.task_batch_size, seed=cfg.seed)
+                   for t in task_temperatures(cfg)}
+            for name, task in tasks.items()}
+
+
+def task_report(tasks: dict[str, Task], accuracy: dict[str, dict[str, dict[str, float]]],
+                cfg: EvalConfig) -> dict[str, Any]:
+    """The report's `tasks` section: per task its checker, split, prompt count, the references' score (the
+    ceiling) and every model's pass@1 ({model: {"t0": ..}})."""
+    return {name: {"checker": name, "description": t.checker.description, "split": t.split,
+                   "prompts": len(t.prompts), "max_new_tokens": task_max_new_tokens(t, cfg),
+                   "reference": float(np.mean(np.asarray(checkers.score_all(t.checker.score, t.prompts.text,
+                                                                             t.references)) >= 1.0)),
+                   "accuracy": {m: acc[name] for m, acc in accuracy.items()}}
+            for name, t in tasks.items()}
+
+
 def markdown(report: dict[str, Any]) -> str:
     ppl = report["perplexity"]
     lines = ["# Evaluation report", "", "## Held-out perplexity", "", "| model | perplexity |", "|---|---|"]
@@ -385,6 +481,29 @@ def markdown(report: dict[str, Any]) -> str:
                          f"| {'n/a' if whole is None else f'{whole:.3f}x'} "
                          f"| {q.get('kv_cache') or 'serving dtype'} ({q.get('kv_bytes_ratio_vs_bf16', 1.0):.2f}x) "
                          f"| {'n/a' if secs is None else f'{secs:.1f} s'} |")
+    if "rl" in report:
+        rl = report["rl"]
+        temps = sorted(rl["accuracy_before"], key=lambda k: float(k[len("accuracy_t"):]))
+        lines += ["", "## RL with verifiable rewards (finetune stage)", "",
+                  f"GRPO with the `{rl['checker']}` checker: held-out pass@1 as the finetune stage measured it on "
+                  f"its {rl['checker']} prompts, at the start of RL (after {rl['sft_steps']} SFT steps) and after "
+                  f"{rl['steps']} RL steps; the curves are the bundle's training/curves.png.", "",
+                  "| | " + " | ".join(f"T={k[len('accuracy_t'):]}" for k in temps) + " |",
+                  "|---" * (1 + len(temps)) + "|"]
+        lines += [f"| {label} | " + " | ".join(f"{100 * rl[key][k]:.1f}%" for k in temps) + " |"
+                  for label, key in (("start (SFT)", "accuracy_before"), ("after RL", "accuracy_after"))]
+    if report.get("tasks"):
+        lines += ["", "## Task accuracy", "",
+                  "pass@1 (one completion per prompt, scored by the task's checker: tasks/checkers/) greedy and at "
+                  "the serving temperature; `reference`: the data's own answers, the ceiling."]
+        for name, t in report["tasks"].items():
+            temps = sorted({k for acc in t["accuracy"].values() for k in acc}, key=lambda k: float(k[1:]))
+            where = "held-out" if t["split"] == "valid" else "**train split** (no held-out prompt is one it judges)"
+            lines += ["", f"**{name}**: {t['description']}; {t['prompts']} prompts, {where}, up to "
+                      f"{t['max_new_tokens']} new tokens; reference {100 * t['reference']:.1f}%.", "",
+                      "| model | " + " | ".join(f"T={k[1:]}" for k in temps) + " |", "|---" * (1 + len(temps)) + "|"]
+            lines += [f"| {m} | " + " | ".join(f"{100 * acc[k]:.1f}%" for k in temps) + " |"
+                      for m, acc in t["accuracy"].items()]
     if report.get("drafts"):
         chosen = report["draft"]["name"]
         t_s = report["draft"]["serve_temperature"]
@@ -436,10 +555,17 @@ def markdown(report: dict[str, Any]) -> str:
 
 
 def evaluate(cfg: EvalConfig, *, base: Path | None, finetuned: Path, quantized: dict[str, Path], draft: Path | None,
-             data_dir: Path, out_dir: Path) -> dict[str, Any]:
+             data_dir: Path, out_dir: Path, training: dict[str, Any] | None = None) -> dict[str, Any]:
+    """`training`: the finetune stage's training.json (a GRPO run's held-out accuracy before and after)."""
     batches = _batches(data_dir, cfg)
     target = models.from_pretrained(str(finetuned))
     report: dict[str, Any] = {"perplexity": {}, "quantization": {}}
+    if training is not None and "accuracy_before" in training:
+        report["rl"] = {"checker": training["checker"], "steps": training["steps"],
+                        "sft_steps": training.get("sft", {}).get("steps", 0),
+                        "accuracy_before": training["accuracy_before"], "accuracy_after": training["accuracy_after"]}
+    elif cfg.gates.min_rl_accuracy_gain > 0:
+        raise ValueError("evaluate.gates.min_rl_accuracy_gain: the fine-tune is not an RL run (finetune.method: grpo)")
     if base is not None:
         report["perplexity"]["base"] = perplexity(models.from_pretrained(str(base)), batches)
     report["perplexity"]["finetuned"] = perplexity(target, batches)
@@ -451,9 +577,27 @@ def evaluate(cfg: EvalConfig, *, base: Path | None, finetuned: Path, quantized: 
     if cfg.spec_target != "finetuned" and cfg.spec_target not in quantized:
         raise ValueError(f"evaluate: spec_target {cfg.spec_target!r} is not among the quantized variants "
                          f"{sorted(quantized)}")
+    special = json.loads((data_dir / "special_tokens.json").read_text())
+    tok = Tokenizer.from_file(str(data_dir / "tokenizer.json"))
+
+    def decode(ids: list[int]) -> str:
+        return tok.decode(ids, skip_special_tokens=True)
+
+    tasks = task_sets(data_dir, cfg, decode, special["bos"], special["eos"])
+    if tasks:
+        log.info("evaluate: task accuracy on %s", ", ".join(f"{n} ({len(t.prompts)} {t.split} prompts)"
+                                                            for n, t in tasks.items()))
+    accuracy = {}  # task accuracy per model: base, fine-tuned, each quantized variant
+    if tasks and base is not None:
+        accuracy["base"] = task_accuracy(models.from_pretrained(str(base)), tasks, cfg, decode, special["eos"],
+                                         special["pad"])
+    if tasks:
+        accuracy["finetuned"] = task_accuracy(target, tasks, cfg, decode, special["eos"], special["pad"])
     served = target
     for scheme, qdir in quantized.items():
         qmodel = models.from_pretrained(str(qdir))
+        if tasks:
+            accuracy[scheme] = task_accuracy(qmodel, tasks, cfg, decode, special["eos"], special["pad"])
         if scheme == cfg.spec_target:
             served = qmodel  # the model speculative decoding is measured against, loaded once
         report["perplexity"][scheme] = p = perplexity(qmodel, batches)  # with its FP8 KV cache, if it has one
@@ -469,6 +613,8 @@ def evaluate(cfg: EvalConfig, *, base: Path | None, finetuned: Path, quantized: 
                                     "mean_output_error", "calibration_tokens") if k in made},
             **({"quantize_seconds": made["seconds"]} if "seconds" in made else {}),
         }
+    if tasks:
+        report["tasks"] = task_report(tasks, accuracy, cfg)
     eos = json.loads((finetuned / "config.json").read_text()).get("eos_token_id")
     if draft is not None or getattr(target, "num_mtp_layers", 0):
         prompts = spec_prompts(data_dir, cfg)
@@ -499,10 +645,12 @@ def run(config: EvalConfig, inputs: Mapping[str, Path], output: Path, *, progres
     folder per scheme)."""
     quant = inputs.get("quant")
     schemes = {p.name: p for p in sorted(quant.iterdir()) if (p / "config.json").exists()} if quant else {}
+    record = inputs["finetune"] / "training.json"  # a finetune artifact's (an HF folder has none)
     return evaluate(config, base=model_dir(inputs["base"]) if "base" in inputs else None,
                     finetuned=model_dir(inputs["finetune"]), quantized=schemes,
                     draft=inputs.get("draft"),
-                    data_dir=inputs["data"], out_dir=output)
+                    data_dir=inputs["data"], out_dir=output,
+                    training=json.loads(record.read_text()) if record.is_file() else None)
 
 
 def main(argv: list[str] | None = None) -> None:

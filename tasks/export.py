@@ -9,6 +9,8 @@
                           (EAGLE-3 only: LlamaForCausalLMEagle3, SGLang and vLLM), draft_config.json
       quantized/<scheme>/ compressed-tensors checkpoints
       eval/               report.json, report.md
+      training/           the fine-tune's curves: training.json (numbers) and curves.png (loss; DPO rewards; GRPO
+                          reward, KL and held-out accuracy before and after)
       lineage.json        recipe, stage fingerprints, digests and store keys, waivers, git SHA, code version
       README.md           the model card with the eval table
       manifest.json       every file's sha256 and size + the lineage (written last, by the store)
@@ -97,7 +99,8 @@ def draft_rows(kind: str, name: str, target: str, k: int) -> list[str]:
 
 
 def model_card(cfg: ExportConfig, report_md: str, lineage: dict[str, Any], has_adapter: bool,
-               schemes: list[str], draft_kind: str = "eagle3", draft_name: str = "eagle3") -> str:
+               schemes: list[str], draft_kind: str = "eagle3", draft_name: str = "eagle3",
+               has_curves: bool = False) -> str:
     ft = cfg.recipe.get("finetune", {})
     draft_k = cfg.recipe.get("draft", {}).get("k", 4)
     base = cfg.recipe.get("base", {}).get("url") or "a scratch Llama pretrained by forgeline (see lineage.json)"
@@ -124,7 +127,10 @@ def model_card(cfg: ExportConfig, report_md: str, lineage: dict[str, Any], has_a
     lines += draft_rows(draft_kind, draft_name, target, draft_k)
     lines += [f"| `quantized/{s}/` | compressed-tensors checkpoint (`LLM('quantized/{s}')` in vLLM); per-layer error "
               f"plot `quant_error.svg`, details `quantization_report.json` |" for s in schemes]
-    lines += ["| `eval/` | report.json, report.md |", "| `lineage.json` | what produced every file |", ""]
+    lines += ["| `eval/` | report.json, report.md |"]
+    if has_curves:
+        lines.append(f"| `training/` | the fine-tune's curves ({ft.get('method', 'sft')}): curves.png, training.json |")
+    lines += ["| `lineage.json` | what produced every file |", ""]
     lines += [report_md.replace("# Evaluation report", "## Evaluation").strip(), "",
               "## Lineage", "", f"- git SHA: `{lineage['git_sha']}`", f"- code version: `{lineage['code_version']}`"]
     lines += [f"- {k}: `{v['fingerprint']}` (content digest `{v['digest'][:16]}…`)"
@@ -158,6 +164,11 @@ def run(config: ExportConfig, inputs: Mapping[str, Path], output: Path, *, progr
     for s in schemes:
         _copytree(inp["quant"] / s, out / "quantized" / s)
     _copytree(inp["evaluate"], out / "eval")
+    has_curves = (inp["finetune"] / "curves.png").exists()
+    for name in ("training.json", "curves.png"):
+        if (inp["finetune"] / name).exists():
+            (out / "training").mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(inp["finetune"] / name, out / "training" / name)
     lineage = {
         "name": cfg.name, "recipe": cfg.recipe, "git_sha": git_sha(), "code_version": source_version(),
         "stages": {k: {"kind": r.kind, "fingerprint": r.fingerprint, "digest": r.digest,
@@ -169,7 +180,7 @@ def run(config: ExportConfig, inputs: Mapping[str, Path], output: Path, *, progr
     }
     (out / "lineage.json").write_text(json.dumps(lineage, indent=1, sort_keys=True))
     (out / "README.md").write_text(model_card(cfg, (inp["evaluate"] / "report.md").read_text(), lineage,
-                                              has_adapter, schemes, draft_kind, draft_name))
+                                              has_adapter, schemes, draft_kind, draft_name, has_curves))
     return {"name": cfg.name, "gates_passed": not failed, "waivers": len(lineage["waivers"]), "draft": draft_name,
             "schemes": schemes, "adapter": has_adapter,
             "stages": {k: v["fingerprint"] for k, v in lineage["stages"].items()}}

@@ -4,7 +4,10 @@
 
 Inputs: `base` (an HF checkpoint folder: config.json, safetensors, tokenizer.json) and `data` (the
 output of data_prep). Outputs: `model/` (merged weights in HF layout, tokenizer.json,
-generation_config.json) and, for LoRA, `adapter/` (PEFT layout). Training resumes from the newest
+generation_config.json), for LoRA `adapter/` (PEFT layout), `training.json` (the run's curves and, for GRPO,
+held-out accuracy before and after: `training_record`) and `curves.png`, the curves drawn (loss; DPO's rewards
+and margins; GRPO's reward, KL, clip fraction, length and held-out accuracy), which the release bundle and the
+Prefect UI show (tasks/plots.py). Training resumes from the newest
 checkpoint under `<store>/checkpoints/finetune/<fingerprint>/` after a crash or a kill.
 """
 
@@ -27,7 +30,7 @@ from tokenizers import Tokenizer
 import models
 from models import lora
 from storage import Store
-from tasks import checkers
+from tasks import checkers, plots
 from tasks.cli import OPTIONAL_PATH, PATH, stage_main
 from tasks.configs import FinetuneConfig
 from tasks.layout import model_dir
@@ -69,10 +72,12 @@ def finetune(
     extra: dict[str, Any] = {}
     reference = None  # GRPO's KL reference: the model the method starts from
     if cfg.sft_steps:  # SFT first: the method (and its reference) start from the SFT model
-        sft = Trainer(model, cfg.train.model_copy(update={"steps": cfg.sft_steps}), trainable=trainable, mesh=mesh)
+        sft_cfg = (cfg.sft_train or cfg.train).model_copy(update={"steps": cfg.sft_steps})
+        sft = Trainer(model, sft_cfg, trainable=trainable, mesh=mesh)
         m = fit(sft, data_dir, checkpoints=sft_checkpoints, progress=progress, label=f"finetune[sft,{cfg.mode}]",
                 logdir=out_dir / "tensorboard" / "sft")
-        extra["sft"] = {k: m[k] for k in ("steps", "valid_loss_before", "valid_loss_after", "final_train_loss")}
+        extra["sft"] = {k: m[k] for k in ("steps", "valid_loss_before", "valid_loss_after", "final_train_loss",
+                                          "train_losses")}
         model = sft.model()
         if cfg.method == "grpo" and cfg.grpo.beta > 0:  # a copy: the next Trainer donates the model's buffers
             graphdef, state = nnx.split(model)
@@ -117,7 +122,30 @@ def finetune(
             dest = out_dir / "adapter" if is_primary() else Path(scratch) / "adapter"
             lora.save_peft_adapter(model, str(dest), base_model_name_or_path=base_name)
     save_model_dir(model, out_dir / "model", data_dir)
-    return {**metrics, **extra, "method": cfg.method, "mode": cfg.mode, "trainable_params": int(n_trainable)}
+    result = {**metrics, **extra, "method": cfg.method, "mode": cfg.mode, "trainable_params": int(n_trainable)}
+    if is_primary():
+        (out_dir / "training.json").write_text(json.dumps(training_record(cfg, result), indent=1) + "\n")
+        panels = plots.finetune_panels(result)
+        if panels:
+            png = plots.curves_png(panels, title=f"finetune[{cfg.method}, {cfg.mode}]")
+            (out_dir / "curves.png").write_bytes(png)
+    return result
+
+
+def training_record(cfg: FinetuneConfig, result: dict[str, Any]) -> dict[str, Any]:
+    """What `training.json` keeps of a run: the method, its curves and, for GRPO, the checker and held-out
+    accuracy before (after any SFT phase) and after, which evaluate reports next to its own task accuracy.
+    Only what the run computed, none of its wall-clock numbers, so that the artifact's bytes depend on its
+    inputs alone."""
+    keep = ("steps", "train_losses", "train_metrics", "valid_loss_before", "valid_loss_after", "accuracy_before",
+            "accuracy_after", "curves")
+    record = {"method": cfg.method, "mode": cfg.mode, **{k: result[k] for k in keep if k in result}}
+    if cfg.method == "grpo":
+        record["checker"] = cfg.grpo.checker
+    if "sft" in result:
+        record["sft"] = {k: result["sft"][k] for k in ("steps", "valid_loss_before", "valid_loss_after",
+                                                       "train_losses")}
+    return record
 
 
 def _grpo_inputs(cfg: FinetuneConfig, data_dir: Path) -> tuple[Any, ...]:

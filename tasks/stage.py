@@ -45,7 +45,9 @@ __all__ = ["Interrupted", "Progress", "StageContext", "fingerprint_of", "interru
 log = logging.getLogger("forgeline.stage")
 
 # Files that record how a run went rather than what it computed (storage.artifacts: "volatile").
-VOLATILE = ("tensorboard/*", "*timing.json", "*report.md", "README.md")
+# A fine-tune's curves (training.json, curves.png; the bundle's training/) are the run's: a resumed run's begin
+# where it resumed.
+VOLATILE = ("tensorboard/*", "*timing.json", "*report.md", "README.md", "training.json", "curves.png", "training/*")
 POLL_SECONDS = 2.0  # how often a stage waiting on another process's lease looks for its commit
 
 

@@ -1,8 +1,9 @@
 """Reward checkers for post-training: plain functions registered by name (`registry.py`), each scoring a
-completion of a prompt in [0, 1] (the exact-answer `arithmetic` checker, `arithmetic.py`); `sandbox` runs
+completion of a prompt in [0, 1] (the exact-answer `arithmetic` and `letters` checkers; the `code` checker,
+`code.py`, which runs a stdlib function's docstring examples against a generated body); `sandbox` runs
 untrusted generated code."""
 
-from tasks.checkers import arithmetic  # noqa: F401  (registers its checker)
-from tasks.checkers.registry import CHECKERS, Checker, applicable, get, register
+from tasks.checkers import arithmetic, code, letters  # noqa: F401  (register their checkers)
+from tasks.checkers.registry import CHECKERS, Checker, applicable, get, judged, register, score_all
 
-__all__ = ["CHECKERS", "Checker", "applicable", "get", "register"]
+__all__ = ["CHECKERS", "Checker", "applicable", "get", "judged", "register", "score_all"]

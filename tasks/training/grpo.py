@@ -34,6 +34,7 @@ import pyarrow.parquet as pq
 from flax import nnx
 
 from models.generate import generate
+from tasks.checkers.registry import score_all
 from tasks.data.rows import prompts_from_rows
 from tasks.training.config import TrainingDiverged
 from tasks.training.losses import with_moe_aux
@@ -186,6 +187,13 @@ def sample(model: nnx.Module, prompts: list[np.ndarray], *, max_new_tokens: int,
     return [tokens[i, : n[i]] for i in range(len(prompts))]
 
 
+def length_bucket(n: int, cap: int, step: int = 32) -> int:
+    """The padded prompt length for a batch whose longest prompt has `n` tokens: `n` rounded up to a multiple
+    of `step`, at most `cap` (the data's longest). A few compiled shapes instead of one, so a batch of short
+    prompts does not decode over the longest prompt's padding (prefill and every decode step attend to it)."""
+    return min(cap, -(-n // step) * step)
+
+
 def rollout_batch(prompts: list[np.ndarray], completions: list[np.ndarray], advantages: np.ndarray, *,
                   seq_len: int, pad: int) -> dict[str, np.ndarray]:
     """Packed-row columns [N, seq_len] of prompt + completion, loss on the completion's tokens, and the
@@ -211,16 +219,18 @@ def rollout_batch(prompts: list[np.ndarray], completions: list[np.ndarray], adva
 def accuracy(model: nnx.Module, prompts: PromptSet, score: Callable[[str, str], float],
              decode: Callable[[list[int]], str], *, temperature: float, max_new_tokens: int, eos: int, pad: int,
              prompt_len: int, batch_size: int, seed: int = 0) -> float:
-    """pass@1: the mean checker score of one completion per prompt (greedy at temperature 0)."""
+    """pass@1: the share of prompts whose one completion (greedy at temperature 0) the checker scores 1.0
+    (correct; a checker's partial credit counts as wrong)."""
     scores = []
     for lo in range(0, len(prompts), batch_size):
         chunk = prompts.ids[lo : lo + batch_size]
         n = len(chunk)
         chunk = chunk + [chunk[0]] * (batch_size - n)  # one compiled shape
         outs = sample(model, chunk, max_new_tokens=max_new_tokens, temperature=temperature, top_p=1.0,
-                      rng=jax.random.PRNGKey(seed + lo), eos=eos, pad=pad, prompt_len=prompt_len)
-        scores += [score(prompts.text[lo + i], decode(outs[i].tolist())) for i in range(n)]
-    return float(np.mean(scores)) if scores else 0.0
+                      rng=jax.random.PRNGKey(seed + lo), eos=eos, pad=pad,
+                      prompt_len=length_bucket(max(len(p) for p in chunk), prompt_len))
+        scores += score_all(score, prompts.text[lo : lo + n], [decode(outs[i].tolist()) for i in range(n)])
+    return float(np.mean(np.asarray(scores) >= 1.0)) if scores else 0.0
 
 
 def fit_grpo(trainer: Any, reference: nnx.Module | None, cfg: Any, train: PromptSet, heldout: PromptSet,
@@ -250,14 +260,22 @@ def fit_grpo(trainer: Any, reference: nnx.Module | None, cfg: Any, train: Prompt
                                              prompt_len=prompt_len, batch_size=cfg.eval_batch_size, seed=tc.seed)
                 for t in sorted({0.0, cfg.temperature})}
 
+    # the accuracy before RL travels in every checkpoint, so a resumed run reports the same start
+    temps = [f"accuracy_t{t:g}" for t in sorted({0.0, cfg.temperature})]
+
+    def state(before: dict[str, float]) -> dict[str, Any]:
+        return {**trainer.state(), "heldout_before": {k: jnp.asarray(before[k], jnp.float32) for k in temps}}
+
     start = 0
-    if checkpoints is not None and (found := checkpoints.restore_latest(trainer.state())) is not None:
-        start, state = found
-        trainer.load_state(state)
-        log.info("%s: resumed from checkpoint at step %d", label, start)
-    before = heldout_accuracy()
-    log.info("%s: held-out accuracy before training %s", label, before)
-    curves: dict[str, list[list[float]]] = {k: [[start, v]] for k, v in before.items()}
+    if checkpoints is not None and (found := checkpoints.restore_latest(state(dict.fromkeys(temps, 0.0)))):
+        start, restored = found
+        before = {k: float(v) for k, v in restored.pop("heldout_before").items()}
+        trainer.load_state(restored)
+        log.info("%s: resumed from checkpoint at step %d (held-out accuracy before RL %s)", label, start, before)
+    else:
+        before = heldout_accuracy()
+        log.info("%s: held-out accuracy before training %s", label, before)
+    curves: dict[str, list[list[float]]] = {k: [[0, v]] for k, v in before.items()}
     t0, rollout_s, rollout_tokens = time.perf_counter(), 0.0, 0
     try:
         for step in range(start, tc.steps):
@@ -269,10 +287,10 @@ def fit_grpo(trainer: Any, reference: nnx.Module | None, cfg: Any, train: Prompt
             completions = sample(trainer.model(), prompts, max_new_tokens=cfg.max_new_tokens,
                                  temperature=cfg.temperature, top_p=cfg.top_p,
                                  rng=jax.random.PRNGKey(tc.seed * 1_000_003 + step), eos=eos, pad=pad,
-                                 prompt_len=prompt_len)
+                                 prompt_len=length_bucket(max(len(p) for p in prompts), prompt_len))
             rollout_s += time.perf_counter() - tr
             rollout_tokens += int(sum(len(c) for c in completions))
-            rewards = np.asarray([score(t, decode(c.tolist())) for t, c in zip(texts, completions, strict=True)],
+            rewards = np.asarray(score_all(score, texts, [decode(c.tolist()) for c in completions]),
                                  np.float32).reshape(P, G)
             adv = np.asarray(group_advantages(jnp.asarray(rewards), scale=cfg.scale_rewards)).reshape(-1)
             batch = rollout_batch(prompts, completions, adv, seq_len=seq_len, pad=pad)
@@ -300,7 +318,7 @@ def fit_grpo(trainer: Any, reference: nnx.Module | None, cfg: Any, train: Prompt
                 if progress is not None:
                     progress(step + 1, tc.steps, row)
             if checkpoints is not None and ((step + 1) % tc.checkpoint_every == 0 or step + 1 == tc.steps):
-                checkpoints.save(step + 1, trainer.state())
+                checkpoints.save(step + 1, state(before))
         if checkpoints is not None:
             checkpoints.wait()
     finally:

@@ -51,11 +51,20 @@ def test_default_release_meets_its_targets(tmp_path, measured):
                if r["lossless"] and r["acceptance_length"] >= 3.0}
     assert draft["name"] == max(passing, key=passing.get), (draft["name"], passing)
     assert report["passed"]
+    # task accuracy for every variant (issue 19): the `code` checker, the doctest examples of the documented
+    # stdlib functions (all in the train split here: the report says so), and the ceiling the data's own bodies
+    # reach (rows cut the longest bodies)
+    code = report["tasks"]["code"]
+    assert set(code["accuracy"]) == {"base", "finetuned", "int8", "w4a16-gptq-g64"}, code
+    assert code["split"] == "train" and code["prompts"] >= 20 and code["reference"] >= 0.5, code
+    assert storage.exists(storage.join(url, "training/curves.png")), "the fine-tune's curves are in the bundle"
     taus = ", ".join(f"{n} {r['acceptance_length']:.2f} (memory-bound {r['speedup_memory_bound']:.2f}x, wall "
                      f"{r['speedup']:.2f}x)" for n, r in report["drafts"].items())
     measured(f"default release: {first:.0f} s; perplexity base {ppl['base']:.2f} -> fine-tuned {ppl['finetuned']:.2f}, "
              f"int8 {ppl['int8']:.2f}, int4 GPTQ {ppl['w4a16-gptq-g64']:.2f}; draft tau at k=5: {taus}; shipped "
-             f"{draft['name']}, lossless {draft['lossless']}")
+             f"{draft['name']}, lossless {draft['lossless']}; code pass@1 (T=0) "
+             + ", ".join(f"{m} {100 * a['t0']:.1f}%" for m, a in code["accuracy"].items())
+             + f" (reference {100 * code['reference']:.1f}%)")
 
     again, second = _release(store, tmp_path)
     assert again.returncode == 0 and again.stdout.strip().splitlines()[-1] == url

@@ -29,6 +29,7 @@ BUNDLE_FILES = [  # (eval/timing.json and the model card are volatile: hashed, o
     "quantized/w4a16-gptq-g64/model.safetensors", "quantized/w4a16-gptq-g64/quant_error.svg",
     "quantized/w4a16-gptq-g64/quantization_report.json", "quantized/w4a16-gptq-g64/tokenizer.json",
     "eval/report.json", "eval/timing.json", "eval/report.md", "README.md", "lineage.json",
+    "training/curves.png", "training/training.json",
     "manifest.json",
 ]
 

@@ -5,6 +5,7 @@ per-completion and per-token aggregations; and the clip stops the gradient where
 from __future__ import annotations
 
 import math
+import zlib
 
 import jax
 import jax.numpy as jnp
@@ -111,6 +112,10 @@ def _vowel_start(prompt: str, completion: str) -> float:
 
 
 def test_grpo_raises_the_reward_and_reports_its_curves(arithmetic_base, tmp_path, monkeypatch):
+    import json
+
+    import matplotlib.image
+
     from tasks import checkers
     from tasks.checkers.registry import CHECKERS, Checker
     from tasks.configs import FinetuneConfig, GRPOConfig
@@ -132,6 +137,13 @@ def test_grpo_raises_the_reward_and_reports_its_curves(arithmetic_base, tmp_path
     assert {"kl", "clip_fraction", "completion_tokens", "accuracy_t0", "accuracy_t1"} <= set(out["curves"])
     assert out["curves"]["kl"][-1][1] > 0  # the policy moved away from the reference
     assert checkers.get("arithmetic")  # the registry is intact
+    # the artifact keeps the curves: training.json (what evaluate reads) and curves.png (a panel per metric)
+    record = json.loads((tmp_path / "out" / "training.json").read_text())
+    assert record["accuracy_before"] == out["accuracy_before"] and record["accuracy_after"] == out["accuracy_after"]
+    assert record["checker"] == "vowel_start" and record["curves"]["reward"] == out["curves"]["reward"]
+    assert "seconds" not in record and "rollout_tokens_per_s" not in record  # a run's wall clock stays out
+    png = matplotlib.image.imread(tmp_path / "out" / "curves.png")
+    assert png.shape[0] >= 400 and png.shape[1] >= 1000 and len(np.unique(png.reshape(-1, png.shape[-1]), axis=0)) > 50
 
 
 def test_grpo_config_and_data_errors_name_the_field(arithmetic_base, tiny_base, tmp_path):
@@ -164,10 +176,93 @@ def test_sft_then_grpo_starts_from_the_sft_model(arithmetic_base, tmp_path, monk
     monkeypatch.setitem(CHECKERS, "vowel_start", Checker("vowel_start", _vowel_start, lambda p: True, "test"))
     base, data = arithmetic_base
     cfg = FinetuneConfig(method="grpo", mode="lora", sft_steps=20,
+                         sft_train=TrainConfig(batch_size=8, learning_rate=1e-2, warmup_steps=1, log_every=5),
                          grpo=GRPOConfig(checker="vowel_start", max_new_tokens=4, eval_prompts=16, eval_batch_size=16),
-                         train=TrainConfig(steps=2, batch_size=16, learning_rate=1e-2, warmup_steps=1))
+                         train=TrainConfig(steps=2, batch_size=16, learning_rate=1e-6, warmup_steps=1))
     out = finetune(cfg, base, data, tmp_path / "out")
+    # the SFT phase ran with sft_train's settings (its learning rate: train's 1e-6 would not move the loss)
     assert out["sft"]["steps"] == 20 and out["sft"]["valid_loss_after"] < out["sft"]["valid_loss_before"] - 0.2
+    assert [s for s, _ in out["sft"]["train_losses"]] == [5, 10, 15, 20]
+    with pytest.raises(ValidationError, match="sft_train sets the SFT phase"):
+        FinetuneConfig(method="grpo", sft_train=TrainConfig())
     assert out["steps"] == 2 and len(out["curves"]["reward"]) == 2 and len(out["curves"]["accuracy_t0"]) == 2
     with pytest.raises(ValidationError, match="sft_steps precedes method dpo or grpo"):
         FinetuneConfig(sft_steps=5)
+
+
+def _crc_parity(prompt: str, completion: str) -> float:
+    """A test checker whose score depends on every character of the completion (about half score 1.0)."""
+    return float(zlib.crc32(completion.encode()) % 2 == 0)
+
+
+def test_evaluate_task_accuracy_matches_plain_greedy_decoding(arithmetic_base, monkeypatch):
+    """evaluate's task accuracy: the checkers that judge the data's held-out documents are found, the data's own
+    answers score 1.0 (the ceiling), and pass@1 at T=0 equals scoring what plain greedy `generate` writes for
+    each prompt alone (no padding, no batching). The test checker's score hashes the whole completion, so
+    equal accuracies mean equal completions, not two zeros."""
+    import json
+
+    import jax.numpy as jnp
+    from tokenizers import Tokenizer
+
+    import models
+    from models.generate import generate
+    from tasks import evaluate as ev
+    from tasks.checkers.registry import CHECKERS, Checker
+    from tasks.configs import EvalConfig
+
+    monkeypatch.setitem(CHECKERS, "crc", Checker("crc", _crc_parity, lambda p: p.endswith("="), "test", 6))
+    base, data = arithmetic_base
+    tok = Tokenizer.from_file(str(data / "tokenizer.json"))
+    special = json.loads((data / "special_tokens.json").read_text())
+
+    def decode(ids):
+        return tok.decode(ids, skip_special_tokens=True)
+
+    cfg = EvalConfig(task_prompts=24, task_batch_size=16, serve_temperature=1.0, spec_temperatures=[0.0, 1.0])
+    tasks = ev.task_sets(data, cfg, decode, special["bos"], special["eos"])
+    assert set(tasks) == {"arithmetic", "crc"} and tasks["arithmetic"].split == "valid"
+    task = tasks["crc"]
+    assert len(task.prompts) == 24 and task.prompts.text == tasks["arithmetic"].prompts.text
+    model = models.from_pretrained(str(base))
+    acc = ev.task_accuracy(model, tasks, cfg, decode, special["eos"], special["pad"])
+    assert set(acc["crc"]) == {"t0", "t1"}
+    want = []
+    for ids, text in zip(task.prompts.ids, task.prompts.text, strict=True):
+        out = generate(model, jnp.asarray(ids)[None], max_new_tokens=6, eos_token_id=special["eos"],
+                       pad_token_id=special["pad"])
+        want.append(_crc_parity(text, decode(np.asarray(out.tokens[0, : int(out.lengths[0])]).tolist())))
+    assert 0.1 < np.mean(want) < 0.9 and acc["crc"]["t0"] == pytest.approx(np.mean(want))
+    report = ev.task_report(tasks, {"finetuned": acc}, cfg)
+    assert report["arithmetic"]["reference"] == 1.0 and report["arithmetic"]["max_new_tokens"] == 8
+    assert report["crc"]["prompts"] == 24 and report["crc"]["max_new_tokens"] == 6
+
+
+def test_task_and_rl_gates_judge_the_report():
+    from tasks.configs import Gates
+    from tasks.evaluate import gates, markdown
+
+    def report(ft, q, before=0.2, after=0.4):
+        return {"perplexity": {"finetuned": 10.0, "int8": 10.0},
+                "quantization": {"int8": {"perplexity": 10.0, "perplexity_increase": 0.0, "kl": 0.0, "kl_p99": 0.0,
+                                          "kl_max": 0.0, "top1_flip_rate": 0.0}},
+                "tasks": {"letters": {"checker": "letters", "description": "d", "split": "valid", "prompts": 64,
+                                      "max_new_tokens": 16, "reference": 1.0,
+                                      "accuracy": {"finetuned": {"t0": ft}, "int8": {"t0": q}}}},
+                "rl": {"checker": "letters", "steps": 10, "sft_steps": 5, "accuracy_before": {"accuracy_t0": before},
+                       "accuracy_after": {"accuracy_t0": after}}}
+
+    g = Gates(finetune_improves=False, max_quant_ppl_increase=1, max_quant_kl_p99=1, max_quant_flip_rate=1,
+              min_task_accuracy=0.5, max_task_accuracy_drop=0.05, min_rl_accuracy_gain=0.15)
+    judged = {x["gate"]: x["passed"] for x in gates(report(0.6, 0.58), g) if "task" in x["gate"] or "RL" in x["gate"]}
+    assert judged == {"task letters: fine-tuned pass@1 (T=0)": True,
+                      "task letters: int8 pass@1 drop vs fine-tuned (T=0)": True,
+                      "RL (letters): held-out pass@1 gain over its start (T=0)": True}
+    failed = {x["gate"] for x in gates(report(0.45, 0.30, after=0.3), g) if not x["passed"]}
+    assert failed == set(judged)
+    md = markdown({**report(0.6, 0.58), "gates": gates(report(0.6, 0.58), g)})
+    assert "| finetuned | 60.0% |" in md and "| int8 | 58.0% |" in md and "| after RL | 40.0% |" in md
+    assert set(g.enabled(["int8"])) >= {"min_task_accuracy", "max_task_accuracy_drop[int8]", "min_rl_accuracy_gain"}
+    assert {w["gate"] for w in Gates(max_task_accuracy_drop=0.5, min_task_accuracy=0).waivers(g, ["int8"])} >= {
+        "evaluate.gates.max_task_accuracy_drop", "evaluate.gates.min_task_accuracy",
+        "evaluate.gates.min_rl_accuracy_gain"}
