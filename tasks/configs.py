@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from models.lora_targets import ALL_LINEAR
 from models.objectives import check_objective
@@ -132,9 +132,10 @@ class FinetuneConfig(BaseModel):
     # the usual SFT -> preference / RL chain; the reference (DPO's stored log-probabilities, GRPO's KL) is then
     # the SFT model
     sft_steps: int = Field(0, ge=0)
-    # the SFT phase's settings (batch, learning rate, schedule), `steps` replaced by sft_steps; None: `train`'s.
-    # RL wants a far smaller learning rate than the SFT that precedes it. Both phases train on train's mesh.
-    sft_train: TrainConfig | None = None
+    # the SFT phase's settings where they differ from `train`'s (batch, learning rate, schedule: a partial
+    # TrainConfig, e.g. {learning_rate: 0.002}); its steps are sft_steps, its mesh train's. RL wants a far
+    # smaller learning rate than the SFT that precedes it.
+    sft_train: dict[str, Any] | None = None
     preference: PreferenceConfig = PreferenceConfig()
     grpo: GRPOConfig = GRPOConfig()
     mode: Literal["lora", "full"] = "lora"
@@ -144,14 +145,28 @@ class FinetuneConfig(BaseModel):
     lora_targets: tuple[str, ...] = ALL_LINEAR
     train: TrainConfig = TrainConfig(steps=150, learning_rate=2e-3, warmup_steps=10, checkpoint_every=50)
 
+    @property
+    def sft_config(self) -> TrainConfig:
+        """The SFT phase's settings: `train`'s, with `sft_train`'s keys over them and `sft_steps` steps."""
+        return TrainConfig.model_validate({**self.train.model_dump(), **(self.sft_train or {}),
+                                           "steps": self.sft_steps or self.train.steps})
+
     @model_validator(mode="after")
     def _groups_fill_the_batch(self) -> FinetuneConfig:
         if self.method == "sft" and self.sft_steps:
             raise ValueError("sft_steps precedes method dpo or grpo; for method sft set train.steps")
-        if self.sft_train is not None and not self.sft_steps:
-            raise ValueError("sft_train sets the SFT phase, which runs only with sft_steps > 0")
-        if self.sft_train is not None and self.sft_train.mesh != self.train.mesh:
-            raise ValueError("sft_train.mesh: both phases train on train.mesh (leave sft_train.mesh unset)")
+        if self.sft_train is not None:
+            if not self.sft_steps:
+                raise ValueError("sft_train sets the SFT phase, which runs only with sft_steps > 0")
+            for key in ("mesh", "steps"):
+                if key in self.sft_train:
+                    raise ValueError(f"sft_train.{key}: the SFT phase takes " + ("train.mesh" if key == "mesh"
+                                                                                    else "sft_steps"))
+            try:  # every key a TrainConfig field, of the right type
+                _ = self.sft_config
+            except ValidationError as e:
+                err = e.errors()[0]
+                raise ValueError(f"sft_train.{'.'.join(map(str, err['loc']))}: {err['msg']}") from None
         if self.method == "grpo" and self.train.batch_size % self.grpo.group_size:
             raise ValueError(f"train.batch_size {self.train.batch_size} (completions per step) is not a multiple of "
                              f"grpo.group_size {self.grpo.group_size}")

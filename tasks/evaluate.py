@@ -330,6 +330,9 @@ def gates(report: dict[str, Any], g: Gates) -> list[dict[str, Any]]:
         gain = report["rl"]["accuracy_after"]["accuracy_t0"] - report["rl"]["accuracy_before"]["accuracy_t0"]
         out.append({"gate": f"RL ({report['rl']['checker']}): held-out pass@1 gain over its start (T=0)",
                     "value": gain, "threshold": g.min_rl_accuracy_gain, "passed": gain >= g.min_rl_accuracy_gain})
+    if g.min_task_accuracy > 0 and not report.get("tasks"):  # a floor with nothing measured fails, never passes
+        out.append({"gate": "task accuracy: no registered checker judges this release's prompts", "value": 0.0,
+                    "threshold": g.min_task_accuracy, "passed": False})
     for name, t in report.get("tasks", {}).items():
         acc = t["accuracy"]
         if g.min_task_accuracy > 0:
@@ -394,8 +397,9 @@ class Task:
 def task_sets(data_dir: Path, cfg: EvalConfig, decode: Callable[[list[int]], str], bos: int,
               eos: int) -> dict[str, Task]:
     """Per registered checker that judges some of the data's documents: up to `task_prompts` of them, held
-    out when it judges any held-out document, else from the train split (the default release's documented
-    standard-library functions with doctest examples all fall in its train modules). Documents are read back
+    out when it judges at least `TASK_MIN_HELDOUT` held-out documents, else from the train split (the default
+    release's documented standard-library functions with doctest examples all fall in its train modules).
+    Documents are read back
     from the packed rows (`documents_from_rows`), the first `TASK_SCAN` of each split."""
     if cfg.task_prompts == 0:
         return {}
@@ -404,7 +408,9 @@ def task_sets(data_dir: Path, cfg: EvalConfig, decode: Callable[[list[int]], str
         docs = documents_from_rows(data_dir, split, TASK_SCAN, bos, sys.maxsize)
         texts = [decode(p[1:]) for p, _ in docs]
         for name, idx in checkers.judged(texts).items():
-            if name not in out:
+            # held out when there are enough of them to measure with (a handful would make one flip a gate)
+            enough = split == "train" or len(idx) >= min(cfg.task_prompts, TASK_MIN_HELDOUT)
+            if name not in out and enough:
                 idx = idx[: cfg.task_prompts]
                 refs = [docs[i][1][: docs[i][1].index(eos)] if eos in docs[i][1] else docs[i][1] for i in idx]
                 out[name] = Task(checkers.get(name), split,
@@ -414,6 +420,7 @@ def task_sets(data_dir: Path, cfg: EvalConfig, decode: Callable[[list[int]], str
 
 
 TASK_SCAN = 20_000  # documents read per split when looking for the prompts a checker judges
+TASK_MIN_HELDOUT = 16  # fewer held-out prompts than this (and than task_prompts): the train split's instead
 
 
 def task_temperatures(cfg: EvalConfig) -> list[float]:
@@ -555,15 +562,13 @@ def markdown(report: dict[str, Any]) -> str:
 
 
 def evaluate(cfg: EvalConfig, *, base: Path | None, finetuned: Path, quantized: dict[str, Path], draft: Path | None,
-             data_dir: Path, out_dir: Path, training: dict[str, Any] | None = None) -> dict[str, Any]:
-    """`training`: the finetune stage's training.json (a GRPO run's held-out accuracy before and after)."""
+             data_dir: Path, out_dir: Path, rl: dict[str, Any] | None = None) -> dict[str, Any]:
+    """`rl`: a GRPO fine-tune's rl.json (its held-out accuracy at the start of RL and at the end)."""
     batches = _batches(data_dir, cfg)
     target = models.from_pretrained(str(finetuned))
     report: dict[str, Any] = {"perplexity": {}, "quantization": {}}
-    if training is not None and "accuracy_before" in training:
-        report["rl"] = {"checker": training["checker"], "steps": training["steps"],
-                        "sft_steps": training.get("sft", {}).get("steps", 0),
-                        "accuracy_before": training["accuracy_before"], "accuracy_after": training["accuracy_after"]}
+    if rl is not None:
+        report["rl"] = rl
     elif cfg.gates.min_rl_accuracy_gain > 0:
         raise ValueError("evaluate.gates.min_rl_accuracy_gain: the fine-tune is not an RL run (finetune.method: grpo)")
     if base is not None:
@@ -645,12 +650,12 @@ def run(config: EvalConfig, inputs: Mapping[str, Path], output: Path, *, progres
     folder per scheme)."""
     quant = inputs.get("quant")
     schemes = {p.name: p for p in sorted(quant.iterdir()) if (p / "config.json").exists()} if quant else {}
-    record = inputs["finetune"] / "training.json"  # a finetune artifact's (an HF folder has none)
+    rl = inputs["finetune"] / "rl.json"  # a GRPO finetune artifact's
     return evaluate(config, base=model_dir(inputs["base"]) if "base" in inputs else None,
                     finetuned=model_dir(inputs["finetune"]), quantized=schemes,
                     draft=inputs.get("draft"),
                     data_dir=inputs["data"], out_dir=output,
-                    training=json.loads(record.read_text()) if record.is_file() else None)
+                    rl=json.loads(rl.read_text()) if rl.is_file() else None)
 
 
 def main(argv: list[str] | None = None) -> None:

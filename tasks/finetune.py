@@ -4,8 +4,9 @@
 
 Inputs: `base` (an HF checkpoint folder: config.json, safetensors, tokenizer.json) and `data` (the
 output of data_prep). Outputs: `model/` (merged weights in HF layout, tokenizer.json,
-generation_config.json), for LoRA `adapter/` (PEFT layout), `training.json` (the run's curves and, for GRPO,
-held-out accuracy before and after: `training_record`) and `curves.png`, the curves drawn (loss; DPO's rewards
+generation_config.json), for LoRA `adapter/` (PEFT layout), for GRPO `rl.json` (held-out accuracy at the start
+of RL and at its end, which evaluate reports and gates), `training.json` (the run's curves: `training_record`;
+a resumed run's begin where it resumed, so the file is volatile) and `curves.png`, the curves drawn (loss; DPO's rewards
 and margins; GRPO's reward, KL, clip fraction, length and held-out accuracy), which the release bundle and the
 Prefect UI show (tasks/plots.py). Training resumes from the newest
 checkpoint under `<store>/checkpoints/finetune/<fingerprint>/` after a crash or a kill.
@@ -72,8 +73,7 @@ def finetune(
     extra: dict[str, Any] = {}
     reference = None  # GRPO's KL reference: the model the method starts from
     if cfg.sft_steps:  # SFT first: the method (and its reference) start from the SFT model
-        sft_cfg = (cfg.sft_train or cfg.train).model_copy(update={"steps": cfg.sft_steps})
-        sft = Trainer(model, sft_cfg, trainable=trainable, mesh=mesh)
+        sft = Trainer(model, cfg.sft_config, trainable=trainable, mesh=mesh)
         m = fit(sft, data_dir, checkpoints=sft_checkpoints, progress=progress, label=f"finetune[sft,{cfg.mode}]",
                 logdir=out_dir / "tensorboard" / "sft")
         extra["sft"] = {k: m[k] for k in ("steps", "valid_loss_before", "valid_loss_after", "final_train_loss",
@@ -125,6 +125,10 @@ def finetune(
     result = {**metrics, **extra, "method": cfg.method, "mode": cfg.mode, "trainable_params": int(n_trainable)}
     if is_primary():
         (out_dir / "training.json").write_text(json.dumps(training_record(cfg, result), indent=1) + "\n")
+        if cfg.method == "grpo":  # what evaluate reports and gates: deterministic, so hashed with the model
+            rl = {"checker": cfg.grpo.checker, "steps": result["steps"], "sft_steps": cfg.sft_steps,
+                  "accuracy_before": result["accuracy_before"], "accuracy_after": result["accuracy_after"]}
+            (out_dir / "rl.json").write_text(json.dumps(rl, indent=1, sort_keys=True) + "\n")
         panels = plots.finetune_panels(result)
         if panels:
             png = plots.curves_png(panels, title=f"finetune[{cfg.method}, {cfg.mode}]")
@@ -134,9 +138,8 @@ def finetune(
 
 def training_record(cfg: FinetuneConfig, result: dict[str, Any]) -> dict[str, Any]:
     """What `training.json` keeps of a run: the method, its curves and, for GRPO, the checker and held-out
-    accuracy before (after any SFT phase) and after, which evaluate reports next to its own task accuracy.
-    Only what the run computed, none of its wall-clock numbers, so that the artifact's bytes depend on its
-    inputs alone."""
+    accuracy before (after any SFT phase) and after. Only what the run computed, none of its wall-clock
+    numbers."""
     keep = ("steps", "train_losses", "train_metrics", "valid_loss_before", "valid_loss_after", "accuracy_before",
             "accuracy_after", "curves")
     record = {"method": cfg.method, "mode": cfg.mode, **{k: result[k] for k in keep if k in result}}

@@ -27,10 +27,7 @@ def _named(panel: Panel) -> dict[str, Series]:
 def curves_png(panels: Mapping[str, Panel], *, title: str = "", columns: int = 3) -> bytes:
     """The panels (title -> series) on a grid, `columns` wide, as PNG bytes. Empty series are left out;
     non-finite values are dropped (a plot is a record, not a check: training refuses NaNs before this)."""
-    import matplotlib
-
-    matplotlib.use("Agg", force=False)
-    from matplotlib.figure import Figure  # a Figure without pyplot: no global state, thread-safe
+    from matplotlib.figure import Figure  # no pyplot: no backend switch, no global state (Agg renders savefig)
 
     kept = {name: {k: [(float(s), float(v)) for s, v in pts if math.isfinite(v)] for k, pts in _named(p).items()}
             for name, p in panels.items()}

@@ -18,13 +18,14 @@ from tasks.data.synthetic import arithmetic_problems as problems
 
 __all__ = ["OPS", "answer", "expected", "problems", "score"]
 
-PROMPT = re.compile(r"(\d+) ([+\-*]) (\d+) =$")
+PROMPT = re.compile(r"(\d+) ([+\-*]) (\d+) =")
 ANSWER = re.compile(r"\s*(-?\d+)\s*")
 
 
 def expected(prompt: str) -> int | None:
-    """The exact answer to an arithmetic prompt (trailing whitespace ignored), None if it is not one."""
-    m = PROMPT.search(prompt.rstrip())
+    """The exact answer to an arithmetic prompt (the whole prompt, surrounding whitespace ignored), None if
+    it is not one."""
+    m = PROMPT.fullmatch(prompt.strip())
     return None if m is None else OPS[m.group(2)](int(m.group(1)), int(m.group(3)))
 
 

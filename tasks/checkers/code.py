@@ -6,7 +6,8 @@ its body. The checker judges the prompts of functions that can be checked on the
 (not methods, not nested functions; not decorated either, since the prompt carries no decorators) of an
 importable module whose docstring holds doctest examples (`>>>`). It runs those examples, as written in the
 prompt, against the generated function in its own module, in the sandbox (tasks/checkers/sandbox.py), and
-scores 1.0 when they all pass, else 0.0.
+scores 1.0 when they all pass; the share that passed when the harness reported some failures (partial
+credit, a dense reward for RL); 0.0 when it reported nothing.
 
 Which prompts apply (`applies`, `targets`): an index from prompt text to `Target` (module, function, the
 reference body), built once per process from this interpreter's `stdlib_files()` (a few seconds: only files
@@ -41,9 +42,10 @@ What one `score` runs, in a child process confined by `run_python` (standard lib
 4. as its last act, print `<nonce> <attempted> <failed>`.
 
 The parent scores 1.0 only when the child exited 0 and the last line of its stdout is exactly that line, with
-attempted > 0 and failed == 0; a syntax error, a wrong indentation, a truncated or empty body, an exception,
-a timeout, a refused operation: 0.0, never an exception (`run_python` raises OSError only when no child can be
-started: that is the worker's failure, not the completion's, and it propagates).
+attempted > 0 and failed == 0 ((attempted - failed) / attempted with failures); a syntax error, a wrong
+indentation, a truncated or empty body, an exception, a timeout, a refused operation: 0.0, never an exception
+(`run_python` raises OSError only when no child can be started: that is the worker's failure, not the
+completion's, and it propagates).
 
 Forgery, and what remains. The generated code runs in the harness's process. It cannot earn a reward by
 exiting early (`os._exit(0)`: no line), by printing a success line (it does not know the nonce; and a line

@@ -27,12 +27,13 @@ from tasks.data.synthetic import letter_problems as problems
 
 __all__ = ["OPS", "answer", "expected", "problems", "score"]
 
-PROMPT = re.compile(rf"({'|'.join(OPS)}): ((?:[a-z] )*[a-z]) =$")
+PROMPT = re.compile(rf"({'|'.join(OPS)}): ((?:[a-z] )*[a-z]) =")
 
 
 def expected(prompt: str) -> list[str] | None:
-    """The exact answer's letters for a prompt (trailing whitespace ignored), None if it is not one."""
-    m = PROMPT.search(prompt.rstrip())
+    """The exact answer's letters for a prompt (the whole prompt, surrounding whitespace ignored), None if it
+    is not one."""
+    m = PROMPT.fullmatch(prompt.strip())
     return None if m is None else OPS[m.group(1)](m.group(2).split(" "))
 
 

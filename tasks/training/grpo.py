@@ -263,8 +263,8 @@ def fit_grpo(trainer: Any, reference: nnx.Module | None, cfg: Any, train: Prompt
     # the accuracy before RL travels in every checkpoint, so a resumed run reports the same start
     temps = [f"accuracy_t{t:g}" for t in sorted({0.0, cfg.temperature})]
 
-    def state(before: dict[str, float]) -> dict[str, Any]:
-        return {**trainer.state(), "heldout_before": {k: jnp.asarray(before[k], jnp.float32) for k in temps}}
+    def state(before: dict[str, float]) -> dict[str, Any]:  # Python floats: scalars orbax saves on every host
+        return {**trainer.state(), "heldout_before": {k: float(before[k]) for k in temps}}
 
     start = 0
     if checkpoints is not None and (found := checkpoints.restore_latest(state(dict.fromkeys(temps, 0.0)))):
@@ -324,6 +324,9 @@ def fit_grpo(trainer: Any, reference: nnx.Module | None, cfg: Any, train: Prompt
     finally:
         if writer is not None:
             writer.close()
+    if curves[temps[0]][-1][0] != tc.steps:  # resumed from the last checkpoint: the loop measured nothing
+        for k, v in heldout_accuracy().items():
+            curves[k].append([tc.steps, v])
     after = {k: v[-1][1] for k, v in curves.items() if k.startswith("accuracy_")}
     return {"steps": tc.steps, "resumed_from_step": start or None, "accuracy_before": before,
             "accuracy_after": after, "curves": curves, "seconds": round(time.perf_counter() - t0, 1),

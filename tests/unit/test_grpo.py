@@ -4,7 +4,9 @@ per-completion and per-token aggregations; and the clip stops the gradient where
 
 from __future__ import annotations
 
+import json
 import math
+import re
 import zlib
 
 import jax
@@ -176,7 +178,7 @@ def test_sft_then_grpo_starts_from_the_sft_model(arithmetic_base, tmp_path, monk
     monkeypatch.setitem(CHECKERS, "vowel_start", Checker("vowel_start", _vowel_start, lambda p: True, "test"))
     base, data = arithmetic_base
     cfg = FinetuneConfig(method="grpo", mode="lora", sft_steps=20,
-                         sft_train=TrainConfig(batch_size=8, learning_rate=1e-2, warmup_steps=1, log_every=5),
+                         sft_train={"batch_size": 8, "learning_rate": 1e-2, "warmup_steps": 1, "log_every": 5},
                          grpo=GRPOConfig(checker="vowel_start", max_new_tokens=4, eval_prompts=16, eval_batch_size=16),
                          train=TrainConfig(steps=2, batch_size=16, learning_rate=1e-6, warmup_steps=1))
     out = finetune(cfg, base, data, tmp_path / "out")
@@ -184,7 +186,17 @@ def test_sft_then_grpo_starts_from_the_sft_model(arithmetic_base, tmp_path, monk
     assert out["sft"]["steps"] == 20 and out["sft"]["valid_loss_after"] < out["sft"]["valid_loss_before"] - 0.2
     assert [s for s, _ in out["sft"]["train_losses"]] == [5, 10, 15, 20]
     with pytest.raises(ValidationError, match="sft_train sets the SFT phase"):
-        FinetuneConfig(method="grpo", sft_train=TrainConfig())
+        FinetuneConfig(method="grpo", sft_train={"learning_rate": 1e-3})
+    # sft_train overrides train's keys it names and keeps the rest (a bf16 run stays bf16 in its SFT phase)
+    both = FinetuneConfig(method="grpo", sft_steps=7, sft_train={"learning_rate": 1e-3},
+                          train=TrainConfig(batch_size=16, compute_dtype="bfloat16", learning_rate=1e-5))
+    assert (both.sft_config.learning_rate, both.sft_config.compute_dtype, both.sft_config.batch_size,
+            both.sft_config.steps) == (1e-3, "bfloat16", 16, 7)
+    for bad, where in (({"mesh": {"data": 2}}, "sft_train.mesh"), ({"steps": 3}, "sft_train.steps"),
+                       ({"learning_rat": 1}, "sft_train.learning_rat"),
+                       ({"learning_rate": "x"}, "sft_train.learning_rate")):
+        with pytest.raises(ValidationError, match=re.escape(where)):
+            FinetuneConfig(method="grpo", sft_steps=5, sft_train=bad)
     assert out["steps"] == 2 and len(out["curves"]["reward"]) == 2 and len(out["curves"]["accuracy_t0"]) == 2
     with pytest.raises(ValidationError, match="sft_steps precedes method dpo or grpo"):
         FinetuneConfig(sft_steps=5)
@@ -266,3 +278,38 @@ def test_task_and_rl_gates_judge_the_report():
     assert {w["gate"] for w in Gates(max_task_accuracy_drop=0.5, min_task_accuracy=0).waivers(g, ["int8"])} >= {
         "evaluate.gates.max_task_accuracy_drop", "evaluate.gates.min_task_accuracy",
         "evaluate.gates.min_rl_accuracy_gain"}
+
+
+def test_a_resumed_grpo_run_reports_the_same_start_and_end(arithmetic_base, tmp_path, monkeypatch):
+    """Resume: the held-out accuracy before RL travels in the checkpoint (a rerun does not re-measure it on
+    the trained model), and a rerun that finds the last step already saved still measures the end."""
+    from tasks.checkers.registry import CHECKERS, Checker
+    from tasks.configs import FinetuneConfig, GRPOConfig
+    from tasks.finetune import finetune
+    from tasks.training.checkpoints import Checkpoints
+    from tasks.training.config import TrainConfig
+
+    monkeypatch.setitem(CHECKERS, "vowel_start", Checker("vowel_start", _vowel_start, lambda p: True, "test"))
+    base, data = arithmetic_base
+    cfg = FinetuneConfig(method="grpo", mode="full",
+                         grpo=GRPOConfig(checker="vowel_start", group_size=8, max_new_tokens=4, eval_every=10,
+                                         eval_prompts=32, eval_batch_size=32),
+                         train=TrainConfig(steps=12, batch_size=32, learning_rate=1e-2, warmup_steps=2,
+                                           checkpoint_every=6))
+
+    def run(out):
+        ckpt = Checkpoints(tmp_path / "ckpt", None, "grpo", keep=2)
+        try:
+            return finetune(cfg, base, data, tmp_path / out, checkpoints=ckpt)
+        finally:
+            ckpt.close()
+
+    first = run("a")
+    assert first["resumed_from_step"] is None
+    assert first["accuracy_after"] != first["accuracy_before"], first  # the run moved the policy
+    again = run("b")  # every step is saved: nothing to train, the start read back, the end measured
+    assert again["resumed_from_step"] == 12
+    assert again["accuracy_before"] == first["accuracy_before"]
+    assert again["accuracy_after"] == first["accuracy_after"]
+    rl = json.loads((tmp_path / "b" / "rl.json").read_text())
+    assert rl["accuracy_before"] == first["accuracy_before"] and rl["accuracy_after"] == first["accuracy_after"]
