@@ -113,6 +113,17 @@ def _vowel_start(prompt: str, completion: str) -> float:
     return float(completion.lstrip()[:1] in tuple("aeiouAEIOU"))
 
 
+def _vowel_grpo(**train):
+    """Full-parameter GRPO with the vowel_start checker, 32 completions per step in groups of 8."""
+    from tasks.configs import FinetuneConfig, GRPOConfig
+    from tasks.training.config import TrainConfig
+
+    return FinetuneConfig(method="grpo", mode="full",
+                          grpo=GRPOConfig(checker="vowel_start", group_size=8, max_new_tokens=4, eval_every=10,
+                                          eval_prompts=32, eval_batch_size=32),
+                          train=TrainConfig(batch_size=32, learning_rate=1e-2, warmup_steps=2, **train))
+
+
 def test_grpo_raises_the_reward_and_reports_its_curves(arithmetic_base, tmp_path, monkeypatch):
     import json
 
@@ -120,17 +131,11 @@ def test_grpo_raises_the_reward_and_reports_its_curves(arithmetic_base, tmp_path
 
     from tasks import checkers
     from tasks.checkers.registry import CHECKERS, Checker
-    from tasks.configs import FinetuneConfig, GRPOConfig
     from tasks.finetune import finetune
-    from tasks.training.config import TrainConfig
 
     monkeypatch.setitem(CHECKERS, "vowel_start", Checker("vowel_start", _vowel_start, lambda p: True, "test"))
     base, data = arithmetic_base
-    cfg = FinetuneConfig(method="grpo", mode="full",
-                         grpo=GRPOConfig(checker="vowel_start", group_size=8, max_new_tokens=4, eval_every=10,
-                                         eval_prompts=32, eval_batch_size=32),
-                         train=TrainConfig(steps=30, batch_size=32, learning_rate=1e-2, warmup_steps=2,
-                                           log_every=10))
+    cfg = _vowel_grpo(steps=30, log_every=10)
     out = finetune(cfg, base, data, tmp_path / "out")
     reward = [r for _, r in out["curves"]["reward"]]
     print("reward curve", [round(r, 2) for r in reward], out["accuracy_before"], out["accuracy_after"])
@@ -284,18 +289,12 @@ def test_a_resumed_grpo_run_reports_the_same_start_and_end(arithmetic_base, tmp_
     """Resume: the held-out accuracy before RL travels in the checkpoint (a rerun does not re-measure it on
     the trained model), and a rerun that finds the last step already saved still measures the end."""
     from tasks.checkers.registry import CHECKERS, Checker
-    from tasks.configs import FinetuneConfig, GRPOConfig
     from tasks.finetune import finetune
     from tasks.training.checkpoints import Checkpoints
-    from tasks.training.config import TrainConfig
 
     monkeypatch.setitem(CHECKERS, "vowel_start", Checker("vowel_start", _vowel_start, lambda p: True, "test"))
     base, data = arithmetic_base
-    cfg = FinetuneConfig(method="grpo", mode="full",
-                         grpo=GRPOConfig(checker="vowel_start", group_size=8, max_new_tokens=4, eval_every=10,
-                                         eval_prompts=32, eval_batch_size=32),
-                         train=TrainConfig(steps=12, batch_size=32, learning_rate=1e-2, warmup_steps=2,
-                                           checkpoint_every=6))
+    cfg = _vowel_grpo(steps=12, checkpoint_every=6)
 
     def run(out):
         ckpt = Checkpoints(tmp_path / "ckpt", None, "grpo", keep=2)
