@@ -2,6 +2,7 @@
 
     data_prep(base corpus) -> base (pretrain, or import base.url)
     data_prep(corpus, base tokenizer) -> finetune -> quantize
+        (method distill: traces[teacher](base, top-k logits) -> finetune: a smaller student of the base)
                                              \\-> traces(served model) -> draft (every candidate:
                                                                                EAGLE-3, P-EAGLE, DFlash)
     evaluate(base, finetuned, quantized, drafts: ships the fastest lossless) --gates--> export
@@ -57,6 +58,10 @@ def publish_report(cfg: ReleaseConfig, evaluation: ArtifactRef) -> dict[str, Any
         rows += [{"metric": f"preference/{k}", "value": round(p[k], 4)} for k in ("reward_accuracy", "reward_margin")]
         rows += [{"metric": f"preference/{m}/chosen_preferred_per_token",
                   "value": round(p[m]["preference_accuracy_normalized"], 4)} for m in ("base", "finetuned")]
+    if "distill" in report:  # teacher vs distilled student vs the same student after plain SFT
+        for m, r in report["distill"]["models"].items():
+            rows += [{"metric": f"distill/{m}/{k}", "value": round(r[k], 4)}
+                     for k in ("data_loss", "teacher_kl", "top1_agreement", "accuracy_t0") if k in r]
     if "rl" in report:  # GRPO: held-out pass@1 at the start of RL (after SFT) and after it
         rl = report["rl"]
         rows += [{"metric": f"rl/{rl['checker']}/{when}/pass@1 T={k[len('accuracy_t'):]}", "value": round(v, 4)}
@@ -110,7 +115,11 @@ def release(recipe: str = "tiny", overrides: list[str] | None = None, store: str
     stages = Stages(store, cfg.execution, cfg.resources)
     base = base_stage(cfg, stages)
     data = stages.run("data_prep", "data_prep", cfg.data, {"tokenizer": base})
-    finetuned = stages.run("finetune", "finetune", cfg.finetune, {"base": base, "data": data})
+    inputs = {"base": base, "data": data}
+    if cfg.finetune.method == "distill":  # the teacher (the base) answers the prompts, with its top-k logits
+        inputs["traces"] = stages.run("traces[teacher]", "traces", cfg.finetune.distill.traces,
+                                      {"model": base, "data": data})
+    finetuned = stages.run("finetune", "finetune", cfg.finetune, inputs)
     publish_curves(cfg, stages.result(finetuned))
     quantized = stages.run("quantize", "quantize", cfg.quantize, {"model": finetuned, "data": data})
     served = cfg.served_model(finetuned, quantized)  # the draft learns the model that will actually serve

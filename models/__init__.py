@@ -24,6 +24,7 @@ _LAZY = {
     "jit_forward": "models.generate",
     "from_pretrained": "models.hf",
     "hf_to_state": "models.hf",
+    "load_config": "models.hf",
     "save_pretrained": "models.hf",
     "state_to_hf": "models.hf",
     "Linear": "models.layers",

@@ -34,7 +34,7 @@ import mmap
 import os
 import re
 import tempfile
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import IO, Any
 from urllib.parse import urlparse
 from urllib.request import url2pathname
@@ -46,7 +46,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from models import families, quant, views
+from models import families, pruning, quant, views
 from models.layers import Buffer, Embed, Linear, QuantScale, RMSNorm, hf_name
 from models.quant.formats import DequantizingCheckpoint
 
@@ -759,7 +759,8 @@ def load_config(folder: str) -> dict[str, Any]:
 
 
 def from_pretrained(path_or_url: str, *, dtype: Any = jnp.float32, mesh: Mesh | None = None,
-                    rules: Mapping[str, Any] | None = None, stats: dict[str, Any] | None = None) -> nnx.Module:
+                    rules: Mapping[str, Any] | None = None, stats: dict[str, Any] | None = None,
+                    layers: Sequence[int] | None = None) -> nnx.Module:
     """Build the model named by config.json `architectures` and load its safetensors weights.
 
     Parameters and activations use `dtype`. The model is built abstractly (`nnx.eval_shape`, nothing
@@ -774,10 +775,14 @@ def from_pretrained(path_or_url: str, *, dtype: Any = jnp.float32, mesh: Mesh | 
     pack-quantized, FP8 blocks; as `save_pretrained` writes a models/quant/ model) loads quantized,
     dequantizing in the forward, one module at a time, with its FP8 KV cache's `self_attn.k_scale` / `v_scale`
     when `kv_cache_scheme` names one (models/quant/kv_cache.py). `stats`, when given, receives `bytes_read`.
+    `layers`: only these decoder layers, renumbered 0..n-1 (a depth-pruned student: models/pruning.py); the
+    other layers' bytes are never read.
     """
     local = _local_path(path_or_url)
     config_path = os.path.join(local, "config.json") if local is not None else f"{path_or_url.rstrip('/')}/config.json"
     cfg_dict = load_config(path_or_url)
+    if layers is not None:
+        cfg_dict = pruning.select_layers(cfg_dict, layers)
     config_cls, model_cls = families.resolve(cfg_dict, config_path)
     try:
         config = config_cls.from_hf(cfg_dict)
@@ -786,7 +791,7 @@ def from_pretrained(path_or_url: str, *, dtype: Any = jnp.float32, mesh: Mesh | 
     except (TypeError, ZeroDivisionError) as e:
         raise ValueError(f"{config_path}: malformed config ({type(e).__name__}: {e})") from None
     checkpoint = SafetensorsCheckpoint(path_or_url)
-    tensors: Mapping[str, np.ndarray] = checkpoint
+    tensors: Mapping[str, np.ndarray] = checkpoint if layers is None else pruning.LayerSelection(checkpoint, layers)
     try:
         for_checkpoint = getattr(config, "for_checkpoint", None)
         if for_checkpoint is not None:  # e.g. how many MTP layers the files actually hold

@@ -117,17 +117,93 @@ class GRPOConfig(BaseModel):
         return v
 
 
+class TracesConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    num_prompts: int = Field(256, ge=1)  # training prompts to regenerate
+    skip_prompts: int = Field(0, ge=0)  # start after this many (a refresh takes prompts the last draft never saw)
+    num_valid_prompts: int = Field(32, ge=1)  # held-out prompts (the draft's validation split)
+    max_prompt_len: int = Field(160, ge=2)
+    max_new_tokens: int = Field(64, ge=1)
+    temperature: float = Field(0.8, ge=0)  # SpecForge regenerates at 0.8; 0 = greedy
+    top_p: float = Field(1.0, gt=0, le=1)
+    batch_size: int = Field(32, ge=1)  # generation and teacher-forcing batch (rows)
+    seq_len: int = Field(256, ge=8)
+    seed: int = 0
+    shard_prompts: int = Field(64, ge=1)  # prompts per shard: the unit of work, persistence and resumption
+    hidden_states: Literal["offline", "online"] = "offline"  # online: the draft trainer runs the target itself
+    aux_layer_ids: list[int] | None = Field(None, min_length=1)  # None: models.eagle3.default_aux_layer_ids
+    hidden_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    target: str = "finetuned"  # the model that answers: "finetuned" or a quantized scheme of a quantize artifact
+    # > 0: also store the target's top-k next-token log-probabilities at every position (topk-*.safetensors), the
+    # targets of a distilled student (finetune.method distill)
+    top_k_logits: int = Field(0, ge=0)
+
+    @field_validator("aux_layer_ids")
+    @classmethod
+    def _non_negative(cls, ids: list[int] | None) -> list[int] | None:
+        if ids is not None and any(i < 0 for i in ids):
+            raise ValueError(f"aux_layer_ids {ids}: ids are 0-based decoder layer outputs, all >= 0")
+        return ids
+
+    @model_validator(mode="after")
+    def _prompt_leaves_room(self) -> TracesConfig:
+        if self.max_prompt_len >= self.seq_len:
+            raise ValueError(f"max_prompt_len {self.max_prompt_len} must be < seq_len {self.seq_len} "
+                             "(a prompt must leave room for its answer in a row)")
+        return self
+
+
+class DistillConfig(BaseModel):
+    """`finetune.method: distill` (tasks/training/distill.py): the release's base is the teacher; the student is
+    the teacher's decoder layers `student_layers` (depth pruning, models/pruning.py), trained on the teacher's
+    answers to the data's prompts with their top-k log-probabilities (`traces`, a traces stage on the base run
+    before finetune): KL(teacher || student) at temperature `temperature` (x T², Hinton et al. 2015) and
+    `alpha` x cross entropy on the teacher's sampled tokens. `compare_sft`: the same student trained as long on the
+    data's own rows with plain SFT, the baseline the report sets beside it and the teacher."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    student_layers: list[int] | None = Field(None, min_length=1)  # None: half the teacher's, evenly spaced
+    temperature: float = Field(1.0, gt=0)
+    alpha: float = Field(0.0, ge=0, le=1)
+    compare_sft: bool = True
+    checker: str | None = None  # pass@1 (T = 0) of teacher, student and SFT student on held-out prompts
+    eval_prompts: int = Field(256, ge=1)
+    max_new_tokens: int = Field(32, ge=1)
+    traces: TracesConfig = TracesConfig(num_prompts=2048, num_valid_prompts=64, temperature=0.0,
+                                        hidden_states="online", top_k_logits=16, shard_prompts=512)
+
+    @field_validator("checker")
+    @classmethod
+    def _registered(cls, v: str | None) -> str | None:
+        if v is not None:
+            from tasks.checkers import get
+
+            get(v)
+        return v
+
+    @model_validator(mode="after")
+    def _teacher_logits(self) -> DistillConfig:
+        if self.traces.top_k_logits < 1:
+            raise ValueError("traces.top_k_logits: the student learns the teacher's top-k log-probabilities (>= 1)")
+        if self.traces.target != "finetuned":
+            raise ValueError("traces.target: the teacher is the release's base (leave it 'finetuned')")
+        return self
+
+
 class FinetuneConfig(BaseModel):
     """`mode: lora` trains only adapters on the modules whose HF path fullmatches one of `lora_targets`
     (regexes; a bare name like `q_proj` matches that module in every layer; the default is every
     projection: attention incl. MLA, dense MLP, shared and routed experts, never routers or the head).
     `method: sft` trains next-token cross entropy on the packed rows; `dpo` preference optimisation on
     the data's chosen / rejected pairs (`preference`: DPO or SimPO); `grpo` RL with verifiable rewards on
-    the data's prompts (`grpo`: group size, checker, clip, KL)."""
+    the data's prompts (`grpo`: group size, checker, clip, KL); `distill` a smaller student (the base's layers
+    `distill.student_layers`) on the base's top-k logits over its own answers (`distill`: DistillConfig)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    method: Literal["sft", "dpo", "grpo"] = "sft"
+    method: Literal["sft", "dpo", "grpo", "distill"] = "sft"
     # dpo / grpo: first this many SFT steps on the data's packed rows (the `train` settings, its steps replaced),
     # the usual SFT -> preference / RL chain; the reference (DPO's stored log-probabilities, GRPO's KL) is then
     # the SFT model
@@ -138,6 +214,7 @@ class FinetuneConfig(BaseModel):
     sft_train: dict[str, Any] | None = None
     preference: PreferenceConfig = PreferenceConfig()
     grpo: GRPOConfig = GRPOConfig()
+    distill: DistillConfig = DistillConfig()
     mode: Literal["lora", "full"] = "lora"
     lora_rank: int = Field(16, ge=1)
     lora_alpha: float = Field(32.0, gt=0)
@@ -153,8 +230,11 @@ class FinetuneConfig(BaseModel):
 
     @model_validator(mode="after")
     def _groups_fill_the_batch(self) -> FinetuneConfig:
-        if self.method == "sft" and self.sft_steps:
-            raise ValueError("sft_steps precedes method dpo or grpo; for method sft set train.steps")
+        if self.method in ("sft", "distill") and self.sft_steps:
+            raise ValueError(f"sft_steps precedes method dpo or grpo; for method {self.method} set train.steps")
+        if self.method == "distill" and self.mode == "lora":
+            raise ValueError("method distill trains a depth-pruned student whole: mode full (LoRA adapters would "
+                             "have no published base to load onto)")
         if self.sft_train is not None:
             if not self.sft_steps:
                 raise ValueError("sft_train sets the SFT phase, which runs only with sft_steps > 0")
@@ -224,40 +304,6 @@ class QuantizeConfig(BaseModel):
             raise ValueError(f"kv_cache_strategy must be 'tensor' (one scale per layer) or 'attn_head' (one per KV "
                              f"head), got {v!r}")
         return v
-
-
-class TracesConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    num_prompts: int = Field(256, ge=1)  # training prompts to regenerate
-    skip_prompts: int = Field(0, ge=0)  # start after this many (a refresh takes prompts the last draft never saw)
-    num_valid_prompts: int = Field(32, ge=1)  # held-out prompts (the draft's validation split)
-    max_prompt_len: int = Field(160, ge=2)
-    max_new_tokens: int = Field(64, ge=1)
-    temperature: float = Field(0.8, ge=0)  # SpecForge regenerates at 0.8; 0 = greedy
-    top_p: float = Field(1.0, gt=0, le=1)
-    batch_size: int = Field(32, ge=1)  # generation and teacher-forcing batch (rows)
-    seq_len: int = Field(256, ge=8)
-    seed: int = 0
-    shard_prompts: int = Field(64, ge=1)  # prompts per shard: the unit of work, persistence and resumption
-    hidden_states: Literal["offline", "online"] = "offline"  # online: the draft trainer runs the target itself
-    aux_layer_ids: list[int] | None = Field(None, min_length=1)  # None: models.eagle3.default_aux_layer_ids
-    hidden_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
-    target: str = "finetuned"  # the model that answers: "finetuned" or a quantized scheme of a quantize artifact
-
-    @field_validator("aux_layer_ids")
-    @classmethod
-    def _non_negative(cls, ids: list[int] | None) -> list[int] | None:
-        if ids is not None and any(i < 0 for i in ids):
-            raise ValueError(f"aux_layer_ids {ids}: ids are 0-based decoder layer outputs, all >= 0")
-        return ids
-
-    @model_validator(mode="after")
-    def _prompt_leaves_room(self) -> TracesConfig:
-        if self.max_prompt_len >= self.seq_len:
-            raise ValueError(f"max_prompt_len {self.max_prompt_len} must be < seq_len {self.seq_len} "
-                             "(a prompt must leave room for its answer in a row)")
-        return self
 
 
 DRAFT_KINDS = ("eagle3", "peagle", "dflash", "mtp")

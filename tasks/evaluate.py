@@ -488,6 +488,22 @@ def markdown(report: dict[str, Any]) -> str:
                          f"| {'n/a' if whole is None else f'{whole:.3f}x'} "
                          f"| {q.get('kv_cache') or 'serving dtype'} ({q.get('kv_bytes_ratio_vs_bf16', 1.0):.2f}x) "
                          f"| {'n/a' if secs is None else f'{secs:.1f} s'} |")
+    if "distill" in report:
+        d = report["distill"]
+        lines += ["", "## Distillation (finetune stage)", "",
+                  f"The student is layers {d['student_layers']} of the teacher's {d['teacher_layers']}, trained "
+                  f"{d['steps']} steps on the teacher's top-k logits (T={d['temperature']}, alpha={d['alpha']}); the "
+                  "SFT student is the same start trained as long on the data's own answers. Held out: cross entropy "
+                  "on the data's answers, KL to the teacher's top-k and top-1 agreement on the teacher's answers"
+                  + (f", pass@1 (T=0) on {d['prompts']} `{d['checker']}` prompts" if d.get("checker") else "") + ".",
+                  "", "| model | layers | parameters | data CE | KL to teacher | top-1 agreement | pass@1 |",
+                  "|---|---|---|---|---|---|---|"]
+        for name, r in d["models"].items():
+            kl = f"{r['teacher_kl']:.4f}" if "teacher_kl" in r else "-"
+            agree = f"{100 * r['top1_agreement']:.1f}%" if "top1_agreement" in r else "-"
+            acc = f"{100 * r['accuracy_t0']:.1f}%" if "accuracy_t0" in r else "-"
+            lines.append(f"| {name} | {r['layers']} | {r['params'] / 1e6:.2f}M | {r['data_loss']:.4f} | {kl} | "
+                         f"{agree} | {acc} |")
     if "rl" in report:
         rl = report["rl"]
         temps = sorted(rl["accuracy_before"], key=lambda k: float(k[len("accuracy_t"):]))
@@ -562,11 +578,15 @@ def markdown(report: dict[str, Any]) -> str:
 
 
 def evaluate(cfg: EvalConfig, *, base: Path | None, finetuned: Path, quantized: dict[str, Path], draft: Path | None,
-             data_dir: Path, out_dir: Path, rl: dict[str, Any] | None = None) -> dict[str, Any]:
-    """`rl`: a GRPO fine-tune's rl.json (its held-out accuracy at the start of RL and at the end)."""
+             data_dir: Path, out_dir: Path, rl: dict[str, Any] | None = None,
+             distilled: dict[str, Any] | None = None) -> dict[str, Any]:
+    """`rl`: a GRPO fine-tune's rl.json (its held-out accuracy at the start of RL and at the end); `distilled`: a
+    distillation's distill.json (teacher, student and SFT student on held-out data, as finetune measured them)."""
     batches = _batches(data_dir, cfg)
     target = models.from_pretrained(str(finetuned))
     report: dict[str, Any] = {"perplexity": {}, "quantization": {}}
+    if distilled is not None:
+        report["distill"] = distilled
     if rl is not None:
         report["rl"] = rl
     elif cfg.gates.min_rl_accuracy_gain > 0:
@@ -651,11 +671,13 @@ def run(config: EvalConfig, inputs: Mapping[str, Path], output: Path, *, progres
     quant = inputs.get("quant")
     schemes = {p.name: p for p in sorted(quant.iterdir()) if (p / "config.json").exists()} if quant else {}
     rl = inputs["finetune"] / "rl.json"  # a GRPO finetune artifact's
+    distilled = inputs["finetune"] / "distill.json"  # a distillation's
     return evaluate(config, base=model_dir(inputs["base"]) if "base" in inputs else None,
                     finetuned=model_dir(inputs["finetune"]), quantized=schemes,
                     draft=inputs.get("draft"),
                     data_dir=inputs["data"], out_dir=output,
-                    rl=json.loads(rl.read_text()) if rl.is_file() else None)
+                    rl=json.loads(rl.read_text()) if rl.is_file() else None,
+                    distilled=json.loads(distilled.read_text()) if distilled.is_file() else None)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -36,7 +36,7 @@ from tasks.cli import OPTIONAL_PATH, PATH, stage_main
 from tasks.configs import FinetuneConfig
 from tasks.layout import model_dir
 from tasks.stage import StageContext
-from tasks.training import grpo
+from tasks.training import distill, grpo
 from tasks.training import preference as pm
 from tasks.training.checkpoints import Checkpoints
 from tasks.training.distributed import is_primary
@@ -53,14 +53,21 @@ def finetune(
     data_dir: Path,
     out_dir: Path,
     *,
+    traces_dir: Path | None = None,
     checkpoints: Checkpoints | None = None,
     sft_checkpoints: Checkpoints | None = None,
     progress: Progress | None = None,
     base_name: str = "base",
 ) -> dict[str, Any]:
     mesh = mesh_from_config(cfg.train.mesh)
+    layers = None  # distill: the student is these layers of the base (the teacher)
+    if cfg.method == "distill":
+        traces_dir = _distill_inputs(traces_dir)
+        layers = distill.student_layers(cfg.distill.student_layers,
+                                        int(models.load_config(str(base_dir))["num_hidden_layers"]))
     # streamed onto the mesh: each process reads only the slices its devices hold (models/hf.py)
-    model = models.from_pretrained(str(base_dir), dtype=jnp.float32, mesh=mesh, rules=mesh_rules(cfg.train.mesh))
+    model = models.from_pretrained(str(base_dir), dtype=jnp.float32, mesh=mesh, rules=mesh_rules(cfg.train.mesh),
+                                   layers=layers)
     if cfg.mode == "lora":
         lora.apply_lora(model, rank=cfg.lora_rank, alpha=cfg.lora_alpha, targets=cfg.lora_targets,
                         dropout=cfg.lora_dropout, rngs=nnx.Rngs(cfg.train.seed))
@@ -90,6 +97,11 @@ def finetune(
                           loss_fn=grpo.grpo_objective(clip_eps=g.clip_eps, beta=g.beta, loss_agg=g.loss_agg,
                                                       temperature=g.temperature),
                           count_fn=grpo.grpo_count(g.loss_agg))
+    elif cfg.method == "distill":
+        d = cfg.distill
+        trainer = Trainer(model, cfg.train, trainable=trainable, mesh=mesh,
+                          loss_fn=distill.distill_objective(d.temperature, d.alpha),
+                          eval_fn=distill.distill_eval(d.temperature, d.alpha))
     else:
         trainer = Trainer(model, cfg.train, trainable=trainable, mesh=mesh)
     n_trainable = sum(x.size for x in jax.tree.leaves(trainer.params))
@@ -108,6 +120,13 @@ def finetune(
                                                rules=mesh_rules(cfg.train.mesh))
         metrics = grpo.fit_grpo(trainer, reference, cfg.grpo, *rl, checkpoints=checkpoints, progress=progress,
                                 logdir=out_dir / "tensorboard", label=f"finetune[grpo,{cfg.mode}]")
+    elif cfg.method == "distill":
+        log.info("finetune[distill]: student = layers %s of the teacher's %s", list(layers),
+                 models.load_config(str(base_dir))["num_hidden_layers"])
+        metrics = fit(trainer, traces_dir, checkpoints=checkpoints, progress=progress, label="finetune[distill]",
+                      logdir=out_dir / "tensorboard", loader=distill.TopkBatches)
+        extra |= _distill_report(cfg, trainer, base_dir, data_dir, traces_dir, layers, mesh,
+                                 sft_checkpoints=sft_checkpoints, progress=progress, out_dir=out_dir)
     else:
         metrics = fit(trainer, data_dir, checkpoints=checkpoints, progress=progress, label=f"finetune[{cfg.mode}]",
                       logdir=out_dir / "tensorboard")
@@ -129,6 +148,8 @@ def finetune(
             rl = {"checker": cfg.grpo.checker, "steps": result["steps"], "sft_steps": cfg.sft_steps,
                   "accuracy_before": result["accuracy_before"], "accuracy_after": result["accuracy_after"]}
             (out_dir / "rl.json").write_text(json.dumps(rl, indent=1, sort_keys=True) + "\n")
+        if cfg.method == "distill":  # likewise: evaluate reports teacher vs student vs the SFT student
+            (out_dir / "distill.json").write_text(json.dumps(result["distill"], indent=1, sort_keys=True) + "\n")
         panels = plots.finetune_panels(result)
         if panels:
             png = plots.curves_png(panels, title=f"finetune[{cfg.method}, {cfg.mode}]")
@@ -178,6 +199,73 @@ def _grpo_inputs(cfg: FinetuneConfig, data_dir: Path) -> tuple[Any, ...]:
     return train, heldout, checker.score, decode, special["eos"], special["pad"]
 
 
+def _distill_inputs(traces_dir: Path | None) -> Path:
+    """`method: distill`'s teacher traces: a traces folder with top-k logits; an error naming what is missing."""
+    if traces_dir is None:
+        raise ValueError("finetune.method: distill needs the teacher's traces with top-k logits (input `traces`: the "
+                         "release runs traces on the base with finetune.distill.traces; `--traces DIR` by hand)")
+    meta = traces_dir / "traces.json"
+    if not meta.exists() or not json.loads(meta.read_text()).get("top_k_logits"):
+        raise ValueError(f"finetune.method: distill: {traces_dir} holds no top-k logits (traces.json top_k_logits; "
+                         "run traces with top_k_logits > 0)")
+    return traces_dir
+
+
+def _distill_report(cfg: FinetuneConfig, trainer: Trainer, base_dir: Path, data_dir: Path, traces_dir: Path,
+                    layers: tuple[int, ...], mesh: Any, *, sft_checkpoints: Checkpoints | None,
+                    progress: Progress | None, out_dir: Path) -> dict[str, Any]:
+    """Teacher, the pruned student before training, the distilled student and (`compare_sft`) the same student
+    trained as long with plain SFT on the data's rows, side by side on held-out data: the data's answers (cross
+    entropy), the teacher's held-out answers (KL to its top-k, agreement with its top-1) and, with a `checker`,
+    pass@1 at T = 0 on held-out prompts."""
+    d, t, rules = cfg.distill, cfg.train, mesh_rules(cfg.train.mesh)
+    extra: dict[str, Any] = {}
+    compared = {"teacher": models.from_pretrained(str(base_dir), dtype=jnp.float32, mesh=mesh, rules=rules),
+                # the student where both trainings start: the teacher's layers, not yet trained without the others
+                "pruned": models.from_pretrained(str(base_dir), dtype=jnp.float32, mesh=mesh, rules=rules,
+                                                 layers=layers),
+                "student": trainer.model()}
+    if d.compare_sft:
+        student = models.from_pretrained(str(base_dir), dtype=jnp.float32, mesh=mesh, rules=rules, layers=layers)
+        sft = Trainer(student, t, trainable=nnx.Param, mesh=mesh)
+        m = fit(sft, data_dir, checkpoints=sft_checkpoints, progress=progress, label="finetune[distill: SFT student]",
+                logdir=out_dir / "tensorboard" / "sft")
+        extra["sft"] = {k: m[k] for k in ("steps", "valid_loss_before", "valid_loss_after", "final_train_loss",
+                                          "train_losses")}
+        compared["sft_student"] = sft.model()
+    if d.checker:
+        tok = Tokenizer.from_file(str(data_dir / "tokenizer.json"))
+        special = json.loads((data_dir / "special_tokens.json").read_text())
+        checker = checkers.get(d.checker)
+        heldout = grpo.heldout_prompts(data_dir, d.eval_prompts)
+        keep = [i for i, text in enumerate(heldout.text) if checker.applies(text)]
+        if not keep:
+            raise ValueError(f"finetune.distill.checker: {d.checker!r} judges none of the held-out prompts of "
+                             f"{data_dir}")
+        heldout = grpo.PromptSet([heldout.ids[i] for i in keep], [heldout.text[i] for i in keep])
+    rows: dict[str, dict[str, Any]] = {}
+    for name, model in compared.items():
+        row: dict[str, Any] = {
+            "layers": int(model.config.num_hidden_layers),
+            "params": int(sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))),
+            "data_loss": distill.data_loss(model, data_dir, trainer.put, batch_size=t.batch_size,
+                                           max_batches=t.eval_batches)}
+        if name != "teacher":  # the teacher against its own top-k says nothing
+            row |= distill.teacher_match(model, traces_dir, trainer.put, batch_size=t.batch_size,
+                                         max_batches=t.eval_batches)  # at T = 1: the distribution served
+        if d.checker:
+            row["accuracy_t0"] = grpo.accuracy(
+                model, heldout, checker.score, lambda ids: tok.decode(ids, skip_special_tokens=True),
+                temperature=0.0, max_new_tokens=d.max_new_tokens, eos=special["eos"], pad=special["pad"],
+                prompt_len=max(len(p) for p in heldout.ids), batch_size=min(64, len(heldout)))
+        rows[name] = {k: round(v, 6) if isinstance(v, float) else v for k, v in row.items()}
+        log.info("finetune[distill]: %s %s", name, json.dumps(rows[name]))
+    extra["distill"] = {"teacher_layers": rows["teacher"]["layers"], "student_layers": list(layers),
+                        "temperature": d.temperature, "alpha": d.alpha, "steps": t.steps, "checker": d.checker,
+                        "prompts": len(heldout) if d.checker else 0, "models": rows}
+    return extra
+
+
 def _preference(cfg: FinetuneConfig, data_dir: Path) -> tuple[dict[str, Any], Any, dict[str, Any]]:
     """The Trainer's objective for `method: dpo`, the pair loader and the loss's settings; a data folder
     without preference pairs is an error naming it."""
@@ -219,14 +307,18 @@ def run(config: FinetuneConfig, inputs: Mapping[str, Path], output: Path, *, pro
     resumes from the store's checkpoints and the adapter names its base by the base's key in the store (the
     HF folder inside the artifact), not its URL: the same bytes wherever the store lives."""
     base = model_dir(inputs["base"])
+    traces = inputs.get("traces")
     if context is None:
-        return finetune(config, base, inputs["data"], output, progress=progress, base_name=str(base.resolve()))
-    # two phases (sft_steps): two sibling checkpoint folders, each resumed on its own
+        return finetune(config, base, inputs["data"], output, traces_dir=traces, progress=progress,
+                        base_name=str(base.resolve()))
+    # two trainings (sft_steps, or distill's SFT student): two sibling checkpoint folders, each resumed on its own
     keep = config.train.keep_checkpoints
-    ckpt = Checkpoints.for_stage(context, keep, sub=config.method if config.sft_steps else None)
-    sft = Checkpoints.for_stage(context, keep, sub="sft") if config.sft_steps else None
+    two = bool(config.sft_steps) or (config.method == "distill" and config.distill.compare_sft)
+    ckpt = Checkpoints.for_stage(context, keep, sub=config.method if two else None)
+    sft = Checkpoints.for_stage(context, keep, sub="sft") if two else None
     try:
-        return finetune(config, base, inputs["data"], output, checkpoints=ckpt, sft_checkpoints=sft, progress=progress,
+        return finetune(config, base, inputs["data"], output, traces_dir=traces, checkpoints=ckpt,
+                        sft_checkpoints=sft, progress=progress,
                         base_name=context.key_of("base", base.relative_to(inputs["base"]).as_posix()))
     finally:
         ckpt.close()
@@ -241,13 +333,15 @@ def main(argv: list[str] | None = None) -> None:
             if a.checkpoints else None
         try:
             base = model_dir(a.base)
-            return finetune(cfg, base, a.data, a.out, checkpoints=ckpt, base_name=str(base.resolve()))
+            return finetune(cfg, base, a.data, a.out, traces_dir=a.traces, checkpoints=ckpt,
+                            base_name=str(base.resolve()))
         finally:
             if ckpt:
                 ckpt.close()
 
     stage_main(__doc__, FinetuneConfig, {
         "--base": PATH, "--data": PATH,
+        "--traces": {**OPTIONAL_PATH, "help": "method distill: the teacher's traces with top-k logits"},
         "--checkpoints": {**OPTIONAL_PATH, "help": "local checkpoint folder (enables resume)"},
         "--store": {"help": "also upload checkpoints to this store URL and resume from there"},
     }, run, argv)

@@ -75,7 +75,7 @@ def _sorted(value: Any) -> Any:
 STAGES: dict[str, Stage] = {s.name: s for s in (
     Stage("data_prep", "data_prep", DataPrepConfig, (), optional=("tokenizer",)),
     Stage("base", "base_model", BaseModelConfig, (), optional=("data",), trains=True),
-    Stage("finetune", "finetune", FinetuneConfig, ("base", "data"), trains=True),
+    Stage("finetune", "finetune", FinetuneConfig, ("base", "data"), optional=("traces",), trains=True),
     Stage("quantize", "quantize", QuantizeConfig, ("model", "data")),
     Stage("traces", "traces", TracesConfig, ("model", "data")),
     Stage("draft", "draft", DraftConfig, ("target", "traces"), optional=("init",), trains=True),

@@ -21,6 +21,11 @@ over the packed rows (segment ids keep packed sequences apart). Output folder:
                                                in the listed order), `final` [R, T, D_t] = its final
                                                normed hidden (logits = the target's LM head of it);
                                                `hidden_dtype`, zeros at padding (segment id 0)
+    topk-{split}-NNNNN.safetensors             with `top_k_logits` K > 0, rows aligned likewise:
+                                               `topk_logprobs` [R, T, K] float32 and `topk_ids` [R, T, K]:
+                                               the target's K most likely next tokens at each position and
+                                               their log-probabilities (a distilled student's targets,
+                                               finetune.method distill), zeros at padding
     traces.json                                aux_layer_ids, mode, dtype, D_t, per-split counts and
                                                throughput, storage bytes (offline: measured; online:
                                                what offline would have cost)
@@ -64,7 +69,7 @@ from models.generate import generate
 from tasks.cli import PATH, stage_main
 from tasks.code import code_version
 from tasks.configs import TracesConfig
-from tasks.data.features import hidden_for_rows, write_hidden
+from tasks.data.features import hidden_for_rows, topk_for_rows, write_hidden, write_topk
 from tasks.data.rows import COLUMNS, SPLITS, pack_answers, prompts_from_rows, read_rows, write_rows
 from tasks.layout import TOKENIZER_FILES, model_dir
 from tasks.stage import StageContext, write_report
@@ -243,7 +248,8 @@ class ShardCheckpoints:
 
     def remove_stale(self, keep: set[str]) -> None:
         """Drop outputs of shards that are not part of this run (an earlier run with more prompts)."""
-        patterns = ("train-*.parquet", "valid-*.parquet", "hidden-*.safetensors", f"{PROGRESS_DIR}/*.json",
+        patterns = ("train-*.parquet", "valid-*.parquet", "hidden-*.safetensors", "topk-*.safetensors",
+                    f"{PROGRESS_DIR}/*.json",
                     ".*.tmp", f"{PROGRESS_DIR}/.*.tmp")
         for pattern in patterns:
             for p in self.out_dir.glob(pattern):
@@ -278,6 +284,13 @@ def _make_shard(model: nnx.Module, prompts: list[list[int]], cfg: TracesConfig, 
         os.replace(_tmp(path), path)
         stats["hidden_bytes"] = path.stat().st_size
         stats["hidden_seconds"] = round(time.perf_counter() - t1, 3)
+    if cfg.top_k_logits:
+        t2 = time.perf_counter()
+        path = out_dir / f"topk-{files[0].removesuffix('.parquet')}.safetensors"
+        write_topk(_tmp(path), topk_for_rows(model, arrays, cfg.top_k_logits, batch_size=cfg.batch_size))
+        os.replace(_tmp(path), path)
+        stats["topk_bytes"] = path.stat().st_size
+        stats["topk_seconds"] = round(time.perf_counter() - t2, 3)
     return stats
 
 
@@ -301,7 +314,7 @@ def _samples(tok: Tokenizer, rows: dict[str, np.ndarray], split: str, n: int = 4
 def _summary(shards: list[dict[str, Any]]) -> dict[str, Any]:
     total = {k: sum(s.get(k, 0) for s in shards) for k in
              ("prompts", "rows", "tokens", "answer_tokens", "generated_tokens", "generate_seconds", "ids_bytes",
-              "hidden_bytes")}
+              "hidden_bytes", "topk_bytes")}
     total["shards"] = len(shards)
     total["generate_seconds"] = round(total["generate_seconds"], 3)
     total["generate_tokens_per_s"] = round(total["generated_tokens"] / max(total["generate_seconds"], 1e-9), 1)
@@ -340,7 +353,8 @@ def traces(cfg: TracesConfig, model_path: Path, data_dir: Path, out_dir: Path, *
         for index, lo in enumerate(range(0, len(prompts[split]), cfg.shard_prompts)):
             chunk = prompts[split][lo : lo + cfg.shard_prompts]
             shard = f"{split}-{index:05d}"
-            files = [f"{shard}.parquet"] + ([f"hidden-{shard}.safetensors"] if cfg.hidden_states == "offline" else [])
+            files = [f"{shard}.parquet"] + ([f"hidden-{shard}.safetensors"] if cfg.hidden_states == "offline" else []) \
+                + ([f"topk-{shard}.safetensors"] if cfg.top_k_logits else [])
             key = shard_key(cfg, run_key, split, index, chunk)
             found = ckpt.restore(shard, key)
             if found is not None:
@@ -383,6 +397,7 @@ def traces(cfg: TracesConfig, model_path: Path, data_dir: Path, out_dir: Path, *
         "hidden_bytes_per_token": round(hidden_bytes / max(every["tokens"], 1), 1),  # per real (non-pad) token
         "hidden_bytes_per_slot": round(hidden_bytes / max(slots, 1), 1),  # per row position, padding included
         "fill": round(every["tokens"] / max(slots, 1), 4),
+        "topk_bytes": every["topk_bytes"],
     }
     report = {
         "aux_layer_ids": list(aux_ids), "hidden_states": cfg.hidden_states, "hidden_dtype": cfg.hidden_dtype,
@@ -392,6 +407,9 @@ def traces(cfg: TracesConfig, model_path: Path, data_dir: Path, out_dir: Path, *
         "shards": {split: [f"{n}.parquet" for n in names[split]] for split in SPLITS},
         "hidden_files": {split: ([f"hidden-{n}.safetensors" for n in names[split]]
                                  if cfg.hidden_states == "offline" else []) for split in SPLITS},
+        "top_k_logits": cfg.top_k_logits,
+        "topk_files": {split: [f"topk-{n}.safetensors" for n in names[split]] if cfg.top_k_logits else []
+                       for split in SPLITS},
         "reused_shards": reused["local"] + reused["store"],
     }
     write_report(out_dir / "traces.json", report)  # generation times go to timing.json

@@ -60,6 +60,10 @@ def test_shipped_recipes_extend_the_default(tmp_path):
     assert grpo.finetune.method == "grpo" and grpo.finetune.grpo.checker == "letters" and grpo.base == tiny.base
     assert grpo.finetune.sft_steps and grpo.finetune.sft_config.learning_rate > 10 * grpo.finetune.train.learning_rate
     assert grpo.data.corpus == "builtin://letters"
+    kd = load_recipe("tiny-distill")
+    assert kd.finetune.method == "distill" and kd.finetune.mode == "full" and kd.finetune.distill.checker == "letters"
+    assert kd.finetune.distill.traces.top_k_logits > 0 and kd.base.model == tiny.base.model
+    assert kd.base.data.corpus == kd.data.corpus == "builtin://letters"  # the teacher knows the task
     loop = tmp_path / "a.yaml"
     loop.write_text("extends: b.yaml\n")
     (tmp_path / "b.yaml").write_text("extends: a.yaml\n")
