@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +42,21 @@ def target_features(model: nnx.Module, batch: Mapping[str, jax.Array],
     return aux, final
 
 
+def fixed_batches(rows: Mapping[str, np.ndarray], batch_size: int) -> Iterator[tuple[int, int, dict[str, np.ndarray]]]:
+    """(lo, hi, batch) over packed rows [R, T]: rows lo..hi-1 as the forward's columns in batches of one shape
+    [min(batch_size, R), T] (one compiled program), the last one filled with padding rows."""
+    R, T = np.shape(rows["input_ids"])
+    B = max(1, min(batch_size, R))
+    for lo in range(0, R, B):
+        hi = min(lo + B, R)
+        batch = {}
+        for c in ("input_ids", "positions", "segment_ids"):
+            x = np.zeros((B, T), np.int32)  # rows past R: all padding
+            x[: hi - lo] = np.asarray(rows[c][lo:hi], np.int32)
+            batch[c] = x
+        yield lo, hi, batch
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "aux_layer_ids", "dtype"))
 def _features_jit(graphdef, state, batch, *, aux_layer_ids: tuple[int, ...], dtype: str):
     aux, final = target_features(nnx.merge(graphdef, state), batch, aux_layer_ids)
@@ -54,17 +69,10 @@ def hidden_for_rows(model: nnx.Module, rows: Mapping[str, np.ndarray], aux_layer
     {"aux": [R, T, n·D_t], "final": [R, T, D_t]} as numpy arrays of `dtype` (bfloat16 via ml_dtypes)."""
     name = jnp.dtype(dtype).name
     R, T = np.shape(rows["input_ids"])
-    B = max(1, min(batch_size, R))
     graphdef, state = nnx.split(model)
     D, n = model.config.hidden_size, len(aux_layer_ids)
     out = {"aux": np.zeros((R, T, n * D), jnp.dtype(name)), "final": np.zeros((R, T, D), jnp.dtype(name))}
-    for lo in range(0, R, B):
-        hi = min(lo + B, R)
-        batch = {}
-        for c in ("input_ids", "positions", "segment_ids"):
-            x = np.zeros((B, T), np.int32)  # rows past R: all padding
-            x[: hi - lo] = np.asarray(rows[c][lo:hi], np.int32)
-            batch[c] = x
+    for lo, hi, batch in fixed_batches(rows, batch_size):
         aux, final = _features_jit(graphdef, state, batch, aux_layer_ids=tuple(aux_layer_ids), dtype=name)
         out["aux"][lo:hi] = np.asarray(aux)[: hi - lo]
         out["final"][lo:hi] = np.asarray(final)[: hi - lo]
@@ -127,16 +135,9 @@ def topk_for_rows(model: nnx.Module, rows: Mapping[str, np.ndarray], k: int, *,
     V = model.config.vocab_size
     if not 1 <= k <= V:
         raise ValueError(f"top_k_logits {k}: between 1 and the vocabulary size {V}")
-    B = max(1, min(batch_size, R))
     graphdef, state = nnx.split(model)
     out = {"topk_logprobs": np.zeros((R, T, k), np.float32), "topk_ids": np.zeros((R, T, k), np.int32)}
-    for lo in range(0, R, B):
-        hi = min(lo + B, R)
-        batch = {}
-        for c in ("input_ids", "positions", "segment_ids"):
-            x = np.zeros((B, T), np.int32)  # rows past R: all padding
-            x[: hi - lo] = np.asarray(rows[c][lo:hi], np.int32)
-            batch[c] = x
+    for lo, hi, batch in fixed_batches(rows, batch_size):
         values, ids = _topk_jit(graphdef, state, batch, k=k)
         out["topk_logprobs"][lo:hi] = np.asarray(values)[: hi - lo]
         out["topk_ids"][lo:hi] = np.asarray(ids)[: hi - lo]

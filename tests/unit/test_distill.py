@@ -268,18 +268,9 @@ print("REPORT" + json.dumps(out))
 def test_sharded_distillation_equals_single_device():
     """A Qwen3-MoE student (teacher layers 1 and 2: dense, then MoE) loaded straight onto 8 fake CPU devices
     (FSDP; data x expert parallel) trains with the single-device distillation loss, KL and balance loss."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
+    from tests.devices import run_on_8_devices
 
-    repo = str(Path(__file__).resolve().parents[2])
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",
-           "PYTHONPATH": repo}
-    proc = subprocess.run([sys.executable, "-c", SHARDED_CHILD], env=env, capture_output=True, text=True,
-                          timeout=600, cwd=repo)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    report = json.loads(proc.stdout.split("REPORT", 1)[1])
+    report = run_on_8_devices(SHARDED_CHILD)
     ref = report["single"]
     assert ref["kl"][2] < ref["kl"][0] and all(x > 0 for x in ref["aux_loss"])  # it trains; the MoE layer is seen
     for layout in ("fsdp", "dp_ep"):

@@ -347,17 +347,9 @@ print("REPORT" + json.dumps(out))
 def test_sharded_dpo_equals_single_device():
     """DPO on 8 fake CPU devices (FSDP; data x expert parallel for the MoE) gives the single-device loss,
     reward margins and MoE load-balancing loss, step by step."""
-    import os
-    import subprocess
-    import sys
+    from tests.devices import run_on_8_devices
 
-    repo = str(Path(__file__).resolve().parents[2])
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",
-           "PYTHONPATH": repo}
-    proc = subprocess.run([sys.executable, "-c", SHARDED_CHILD], env=env, capture_output=True, text=True,
-                          timeout=600, cwd=repo)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    report = json.loads(proc.stdout.split("REPORT", 1)[1])
+    report = run_on_8_devices(SHARDED_CHILD)
     for name in ("llama", "qwen3_moe"):
         ref = report[f"{name}/single"]
         assert ref["reward_margin"][2] > ref["reward_margin"][0], ref  # the first batch again: it trains

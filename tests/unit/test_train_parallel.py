@@ -5,18 +5,14 @@ what it claims to (parameters and Adam moments over fsdp/tensor/expert, the batc
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
+from tests.devices import run_on_8_devices
+
 pytestmark = pytest.mark.unit
 
-REPO = str(Path(__file__).resolve().parents[2])
 
 CHILD = textwrap.dedent("""
     import json
@@ -69,12 +65,7 @@ CHILD = textwrap.dedent("""
 
 @pytest.fixture(scope="module")
 def report():
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu",
-           "PYTHONPATH": REPO}
-    proc = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=600,
-                          cwd=REPO)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.split("REPORT", 1)[1])
+    return run_on_8_devices(CHILD)
 
 
 @pytest.mark.parametrize("model, layout", [
