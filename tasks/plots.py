@@ -59,14 +59,20 @@ def curves_png(panels: Mapping[str, Panel], *, title: str = "", columns: int = 3
 
 
 def finetune_panels(result: Mapping) -> dict[str, Panel]:
-    """The panels of a fine-tune's result (tasks/finetune.py): SFT loss (an SFT phase's and/or the run's),
+    """The panels of a fine-tune's result (tasks/finetune.py): SFT loss (an SFT phase's and/or the run's;
+    distillation's beside its SFT student's),
     the objective's metrics (DPO rewards and margins), and GRPO's reward, KL, clip fraction, completion
     length and held-out accuracy (greedy and sampled, one panel)."""
     panels: dict[str, Panel] = {}
-    if result.get("sft", {}).get("train_losses"):
-        panels["SFT train loss"] = result["sft"]["train_losses"]
-    if result.get("train_losses"):
-        panels["train loss"] = result["train_losses"]
+    sft = result.get("sft", {}).get("train_losses")
+    if sft and result.get("method") == "distill":  # the baseline trained beside the student: one panel, both
+        panels["train loss: distilled vs SFT student"] = {"distill (KL)": result.get("train_losses", []),
+                                                          "SFT (CE)": sft}
+    else:
+        if sft:
+            panels["SFT train loss"] = sft
+        if result.get("train_losses"):
+            panels["train loss"] = result["train_losses"]
     for k, pts in result.get("train_metrics", {}).items():
         panels[k] = pts
     curves = dict(result.get("curves", {}))
