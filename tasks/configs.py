@@ -104,6 +104,10 @@ class GRPOConfig(BaseModel):
     beta: float = Field(0.04, ge=0)  # KL to the reference (the starting model); 0: no reference forward
     scale_rewards: bool = True  # divide by the group's std (GRPO); False: Dr. GRPO
     loss_agg: Literal["sequence", "token"] = "sequence"  # per completion then mean (GRPO), or per token (DAPO)
+    # policy updates per rollout batch (DeepSeekMath's μ, TRL's num_iterations): train.steps counts updates, a
+    # rollout every num_iterations of them; updates after the first see ρ != 1 against the rollout's log-probs, so
+    # the clip acts. train.steps and train.checkpoint_every must be multiples of it (a resume starts a rollout).
+    num_iterations: int = Field(1, ge=1)
     eval_every: int = Field(25, ge=1)  # held-out pass@1 every this many steps
     eval_prompts: int = Field(256, ge=1)  # held-out prompts (data_prep's prompts.parquet, capped at what it has)
     eval_batch_size: int = Field(64, ge=1)
@@ -250,6 +254,12 @@ class FinetuneConfig(BaseModel):
         if self.method == "grpo" and self.train.batch_size % self.grpo.group_size:
             raise ValueError(f"train.batch_size {self.train.batch_size} (completions per step) is not a multiple of "
                              f"grpo.group_size {self.grpo.group_size}")
+        mu = self.grpo.num_iterations
+        if self.method == "grpo" and mu > 1:
+            for key in ("steps", "checkpoint_every"):
+                if getattr(self.train, key) % mu:
+                    raise ValueError(f"train.{key} {getattr(self.train, key)} is not a multiple of "
+                                     f"grpo.num_iterations {mu} (updates per rollout)")
         return self
 
 

@@ -237,10 +237,11 @@ def fit_grpo(trainer: Any, reference: nnx.Module | None, cfg: Any, train: Prompt
              score: Callable[[str, str], float], decode: Callable[[list[int]], str], eos: int, pad: int, *,
              checkpoints: Any = None, progress: Any = None, logdir: Path | None = None,
              label: str = "grpo") -> dict[str, Any]:
-    """GRPO for `trainer.cfg.steps` steps: each step samples `prompts_per_step` train prompts (fixed by the
-    step number, so a resumed run repeats nothing), G completions each with the current policy, scores them
-    with the checker, turns the scores into group-relative advantages, and takes one optimizer step on the
-    batch (`cfg`: tasks/configs.py GRPOConfig). The reference's log-probabilities enter the KL term (None:
+    """GRPO for `trainer.cfg.steps` steps: each rollout samples `prompts_per_step` train prompts (fixed by the
+    rollout's number, so a resumed run repeats nothing), G completions each with the current policy, scores them
+    with the checker, turns the scores into group-relative advantages, and takes `cfg.num_iterations` optimizer
+    steps on the batch (`cfg`: tasks/configs.py GRPOConfig; after the first, against the rollout's own
+    log-probabilities). The reference's log-probabilities enter the KL term (None:
     β = 0). Held-out pass@1 at temperature 0 and at the sampling temperature is measured before training,
     every `eval_every` steps and at the end. Returns the curves (reward, KL, clip fraction, completion length,
     held-out accuracy per measured step) and the before/after accuracies."""
@@ -277,25 +278,31 @@ def fit_grpo(trainer: Any, reference: nnx.Module | None, cfg: Any, train: Prompt
         log.info("%s: held-out accuracy before training %s", label, before)
     curves: dict[str, list[list[float]]] = {k: [[0, v]] for k, v in before.items()}
     t0, rollout_s, rollout_tokens = time.perf_counter(), 0.0, 0
+    mu = getattr(cfg, "num_iterations", 1)
     try:
         for step in range(start, tc.steps):
-            rng = np.random.default_rng([tc.seed, step])
-            picks = rng.choice(len(train), size=P, replace=len(train) < P)
-            prompts = [train.ids[i] for i in picks for _ in range(G)]
-            texts = [train.text[i] for i in picks for _ in range(G)]
-            tr = time.perf_counter()
-            completions = sample(trainer.model(), prompts, max_new_tokens=cfg.max_new_tokens,
-                                 temperature=cfg.temperature, top_p=cfg.top_p,
-                                 rng=jax.random.PRNGKey(tc.seed * 1_000_003 + step), eos=eos, pad=pad,
-                                 prompt_len=length_bucket(max(len(p) for p in prompts), prompt_len))
-            rollout_s += time.perf_counter() - tr
-            rollout_tokens += int(sum(len(c) for c in completions))
-            rewards = np.asarray(score_all(score, texts, [decode(c.tolist()) for c in completions]),
-                                 np.float32).reshape(P, G)
-            adv = np.asarray(group_advantages(jnp.asarray(rewards), scale=cfg.scale_rewards)).reshape(-1)
-            batch = rollout_batch(prompts, completions, adv, seq_len=seq_len, pad=pad)
-            if reference is not None and cfg.beta > 0:
-                batch["ref_logp"] = np.asarray(ref_logps(reference, {k: jnp.asarray(v) for k, v in batch.items()}))
+            if step % mu == 0:  # a new rollout: rollout r is fixed by r, so a resumed run repeats nothing
+                r = step // mu
+                rng = np.random.default_rng([tc.seed, r])
+                picks = rng.choice(len(train), size=P, replace=len(train) < P)
+                prompts = [train.ids[i] for i in picks for _ in range(G)]
+                texts = [train.text[i] for i in picks for _ in range(G)]
+                tr = time.perf_counter()
+                completions = sample(trainer.model(), prompts, max_new_tokens=cfg.max_new_tokens,
+                                     temperature=cfg.temperature, top_p=cfg.top_p,
+                                     rng=jax.random.PRNGKey(tc.seed * 1_000_003 + r), eos=eos, pad=pad,
+                                     prompt_len=length_bucket(max(len(p) for p in prompts), prompt_len))
+                rollout_s += time.perf_counter() - tr
+                rollout_tokens += int(sum(len(c) for c in completions))
+                rewards = np.asarray(score_all(score, texts, [decode(c.tolist()) for c in completions]),
+                                     np.float32).reshape(P, G)
+                adv = np.asarray(group_advantages(jnp.asarray(rewards), scale=cfg.scale_rewards)).reshape(-1)
+                batch = rollout_batch(prompts, completions, adv, seq_len=seq_len, pad=pad)
+                device_batch = {k: jnp.asarray(v) for k, v in batch.items()}
+                if reference is not None and cfg.beta > 0:
+                    batch["ref_logp"] = np.asarray(ref_logps(reference, device_batch))
+                if mu > 1:  # the sampling policy's log-probabilities: the ratio's denominator for all μ updates
+                    batch["old_logp"] = np.asarray(ref_logps(trainer.model(), device_batch))
             stats = {k: float(v) for k, v in trainer.step(batch).items()}
             if not (math.isfinite(stats["loss"]) and math.isfinite(stats["grad_norm"])):
                 raise TrainingDiverged(f"{label}: step {step + 1}: loss {stats['loss']} grad_norm "

@@ -312,3 +312,61 @@ def test_a_resumed_grpo_run_reports_the_same_start_and_end(arithmetic_base, tmp_
     assert again["accuracy_after"] == first["accuracy_after"]
     rl = json.loads((tmp_path / "b" / "rl.json").read_text())
     assert rl["accuracy_before"] == first["accuracy_before"] and rl["accuracy_after"] == first["accuracy_after"]
+
+
+def test_several_updates_per_rollout_make_the_clip_act_and_resume_at_a_rollout(arithmetic_base, tmp_path,
+                                                                               monkeypatch):
+    """`num_iterations: 2`: a rollout every 2 updates, the later ones against the rollout's log-probabilities, so
+    ratios leave 1 and some are clipped (with one update per rollout the clip fraction is 0); the reward still
+    rises; train.steps and checkpoint_every must be multiples of it; a run killed after a checkpoint resumes at a
+    rollout and ends where an uninterrupted run ends."""
+    from pydantic import ValidationError
+
+    from tasks.checkers.registry import CHECKERS, Checker
+    from tasks.configs import FinetuneConfig, GRPOConfig
+    from tasks.finetune import finetune
+    from tasks.training import checkpoints as ck
+    from tasks.training.config import TrainConfig
+
+    monkeypatch.setitem(CHECKERS, "vowel_start", Checker("vowel_start", _vowel_start, lambda p: True, "test"))
+    base, data = arithmetic_base
+    grpo_cfg = GRPOConfig(checker="vowel_start", group_size=8, max_new_tokens=4, eval_every=9, eval_prompts=32,
+                          eval_batch_size=32, num_iterations=2, clip_eps=0.1)
+    with pytest.raises(ValidationError, match="train.steps 9 is not a multiple of grpo.num_iterations 2"):
+        FinetuneConfig(method="grpo", mode="full", grpo=grpo_cfg, train=TrainConfig(steps=9, checkpoint_every=4))
+    with pytest.raises(ValidationError, match="train.checkpoint_every 5 is not a multiple"):
+        FinetuneConfig(method="grpo", mode="full", grpo=grpo_cfg, train=TrainConfig(steps=10, checkpoint_every=5))
+    cfg = FinetuneConfig(method="grpo", mode="full", grpo=grpo_cfg,
+                         train=TrainConfig(steps=40, batch_size=32, learning_rate=1e-2, warmup_steps=2, log_every=10,
+                                           checkpoint_every=20))
+    whole = finetune(cfg, base, data, tmp_path / "whole")
+    clip = [v for _, v in whole["curves"]["clip_fraction"]]
+    reward = [r for _, r in whole["curves"]["reward"]]
+    print("clip", [round(c, 3) for c in clip], "reward", [round(r, 2) for r in reward])
+    assert max(clip) > 0
+    assert np.mean(reward[-10:]) > np.mean(reward[:10]) + 0.2, reward
+
+    saves = []
+    real_save = ck.Checkpoints.save
+
+    def save_then_die(self, step, state):
+        real_save(self, step, state)
+        saves.append(step)
+        if step == 20:
+            self.wait()
+            raise RuntimeError("killed after step 20")
+
+    monkeypatch.setattr(ck.Checkpoints, "save", save_then_die)
+    ckpt = ck.Checkpoints(tmp_path / "ckpt", None, "grpo", keep=2)
+    with pytest.raises(RuntimeError, match="killed after step 20"):
+        finetune(cfg, base, data, tmp_path / "a", checkpoints=ckpt)
+    ckpt.close()
+    monkeypatch.setattr(ck.Checkpoints, "save", real_save)
+    ckpt = ck.Checkpoints(tmp_path / "ckpt", None, "grpo", keep=2)
+    try:
+        resumed = finetune(cfg, base, data, tmp_path / "b", checkpoints=ckpt)
+    finally:
+        ckpt.close()
+    assert resumed["resumed_from_step"] == 20
+    assert resumed["accuracy_after"] == whole["accuracy_after"]
+    np.testing.assert_allclose([v for _, v in resumed["curves"]["reward"]], reward[20:], rtol=1e-6)
