@@ -63,8 +63,9 @@ def finetune(
     layers = None  # distill: the student is these layers of the base (the teacher)
     if cfg.method == "distill":
         traces_dir = _distill_inputs(traces_dir)
-        layers = distill.student_layers(cfg.distill.student_layers,
-                                        int(models.load_config(str(base_dir))["num_hidden_layers"]))
+        teacher_layers = int(models.load_config(str(base_dir))["num_hidden_layers"])
+        layers = distill.student_layers(cfg.distill.student_layers, teacher_layers)
+        log.info("finetune[distill]: student = layers %s of the teacher's %d", list(layers), teacher_layers)
     # streamed onto the mesh: each process reads only the slices its devices hold (models/hf.py)
     model = models.from_pretrained(str(base_dir), dtype=jnp.float32, mesh=mesh, rules=mesh_rules(cfg.train.mesh),
                                    layers=layers)
@@ -121,8 +122,6 @@ def finetune(
         metrics = grpo.fit_grpo(trainer, reference, cfg.grpo, *rl, checkpoints=checkpoints, progress=progress,
                                 logdir=out_dir / "tensorboard", label=f"finetune[grpo,{cfg.mode}]")
     elif cfg.method == "distill":
-        log.info("finetune[distill]: student = layers %s of the teacher's %s", list(layers),
-                 models.load_config(str(base_dir))["num_hidden_layers"])
         metrics = fit(trainer, traces_dir, checkpoints=checkpoints, progress=progress, label="finetune[distill]",
                       logdir=out_dir / "tensorboard", loader=distill.TopkBatches)
         extra |= _distill_report(cfg, trainer, base_dir, data_dir, traces_dir, layers, mesh,

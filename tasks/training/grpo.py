@@ -278,7 +278,7 @@ def fit_grpo(trainer: Any, reference: nnx.Module | None, cfg: Any, train: Prompt
         log.info("%s: held-out accuracy before training %s", label, before)
     curves: dict[str, list[list[float]]] = {k: [[0, v]] for k, v in before.items()}
     t0, rollout_s, rollout_tokens = time.perf_counter(), 0.0, 0
-    mu = getattr(cfg, "num_iterations", 1)
+    mu = cfg.num_iterations
     try:
         for step in range(start, tc.steps):
             if step % mu == 0:  # a new rollout: rollout r is fixed by r, so a resumed run repeats nothing
