@@ -60,7 +60,8 @@ def select_layers(config: Mapping[str, Any], layers: Sequence[int]) -> dict[str,
     if isinstance(config.get("layer_types"), list):
         out["layer_types"] = [config["layer_types"][i] for i in ids]
     if config.get("mlp_only_layers"):
-        out["mlp_only_layers"] = [j for j, i in enumerate(ids) if i in set(config["mlp_only_layers"])]
+        dense = set(config["mlp_only_layers"])
+        out["mlp_only_layers"] = [j for j, i in enumerate(ids) if i in dense]
     if int(config.get("decoder_sparse_step") or 1) > 1:
         raise ValueError(f"decoder_sparse_step {config['decoder_sparse_step']}: which layers are sparse depends on "
                          "their index, which the selection renumbers")

@@ -218,20 +218,6 @@ def _distill_report(cfg: FinetuneConfig, trainer: Trainer, base_dir: Path, data_
     entropy), the teacher's held-out answers (KL to its top-k, agreement with its top-1) and, with a `checker`,
     pass@1 at T = 0 on held-out prompts."""
     d, t, rules = cfg.distill, cfg.train, mesh_rules(cfg.train.mesh)
-    extra: dict[str, Any] = {}
-    compared = {"teacher": models.from_pretrained(str(base_dir), dtype=jnp.float32, mesh=mesh, rules=rules),
-                # the student where both trainings start: the teacher's layers, not yet trained without the others
-                "pruned": models.from_pretrained(str(base_dir), dtype=jnp.float32, mesh=mesh, rules=rules,
-                                                 layers=layers),
-                "student": trainer.model()}
-    if d.compare_sft:
-        student = models.from_pretrained(str(base_dir), dtype=jnp.float32, mesh=mesh, rules=rules, layers=layers)
-        sft = Trainer(student, t, trainable=nnx.Param, mesh=mesh)
-        m = fit(sft, data_dir, checkpoints=sft_checkpoints, progress=progress, label="finetune[distill: SFT student]",
-                logdir=out_dir / "tensorboard" / "sft")
-        extra["sft"] = {k: m[k] for k in ("steps", "valid_loss_before", "valid_loss_after", "final_train_loss",
-                                          "train_losses")}
-        compared["sft_student"] = sft.model()
     if d.checker:
         tok = Tokenizer.from_file(str(data_dir / "tokenizer.json"))
         special = json.loads((data_dir / "special_tokens.json").read_text())
@@ -243,7 +229,8 @@ def _distill_report(cfg: FinetuneConfig, trainer: Trainer, base_dir: Path, data_
                              f"{data_dir}")
         heldout = grpo.PromptSet([heldout.ids[i] for i in keep], [heldout.text[i] for i in keep])
     rows: dict[str, dict[str, Any]] = {}
-    for name, model in compared.items():
+
+    def measure(name: str, model: nnx.Module) -> None:
         row: dict[str, Any] = {
             "layers": int(model.config.num_hidden_layers),
             "params": int(sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))),
@@ -259,6 +246,20 @@ def _distill_report(cfg: FinetuneConfig, trainer: Trainer, base_dir: Path, data_
                 prompt_len=max(len(p) for p in heldout.ids), batch_size=min(64, len(heldout)))
         rows[name] = {k: round(v, 6) if isinstance(v, float) else v for k, v in row.items()}
         log.info("finetune[distill]: %s %s", name, json.dumps(rows[name]))
+
+    # one model loaded at a time beside the student; the pruned start, once measured, is the SFT student's start
+    measure("teacher", models.from_pretrained(str(base_dir), dtype=jnp.float32, mesh=mesh, rules=rules))
+    pruned = models.from_pretrained(str(base_dir), dtype=jnp.float32, mesh=mesh, rules=rules, layers=layers)
+    measure("pruned", pruned)
+    measure("student", trainer.model())
+    extra: dict[str, Any] = {}
+    if d.compare_sft:
+        sft = Trainer(pruned, t, trainable=nnx.Param, mesh=mesh)
+        m = fit(sft, data_dir, checkpoints=sft_checkpoints, progress=progress, label="finetune[distill: SFT student]",
+                logdir=out_dir / "tensorboard" / "sft")
+        extra["sft"] = {k: m[k] for k in ("steps", "valid_loss_before", "valid_loss_after", "final_train_loss",
+                                          "train_losses")}
+        measure("sft_student", sft.model())
     extra["distill"] = {"teacher_layers": rows["teacher"]["layers"], "student_layers": list(layers),
                         "temperature": d.temperature, "alpha": d.alpha, "steps": t.steps, "checker": d.checker,
                         "prompts": len(heldout) if d.checker else 0, "models": rows}

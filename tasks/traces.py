@@ -286,7 +286,7 @@ def _make_shard(model: nnx.Module, prompts: list[list[int]], cfg: TracesConfig, 
         stats["hidden_seconds"] = round(time.perf_counter() - t1, 3)
     if cfg.top_k_logits:
         t2 = time.perf_counter()
-        path = out_dir / f"topk-{files[0].removesuffix('.parquet')}.safetensors"
+        path = out_dir / files[-1]  # topk-<shard>.safetensors
         write_topk(_tmp(path), topk_for_rows(model, arrays, cfg.top_k_logits, batch_size=cfg.batch_size))
         os.replace(_tmp(path), path)
         stats["topk_bytes"] = path.stat().st_size

@@ -159,9 +159,9 @@ def load_topk(path: str | Path) -> dict[str, np.ndarray]:
             raise ValueError(f"{path}: not a top-k logits shard (format {meta.get('format')!r}, want {TOPK_FORMAT})")
         out = {}
         for name, want in (("topk_logprobs", np.float32), ("topk_ids", np.int32)):
-            if name not in f.keys() or f.get_tensor(name).dtype != want:
+            out[name] = f.get_tensor(name) if name in f.keys() else None
+            if out[name] is None or out[name].dtype != want:
                 raise ValueError(f"{path}: {name} missing or not {np.dtype(want).name}")
-            out[name] = f.get_tensor(name)
     if out["topk_ids"].shape != out["topk_logprobs"].shape:
         raise ValueError(f"{path}: topk_ids {list(out['topk_ids'].shape)} and topk_logprobs "
                          f"{list(out['topk_logprobs'].shape)} differ")
