@@ -103,6 +103,9 @@ class GRPOConfig(BaseModel):
     clip_eps: float = Field(0.2, gt=0, lt=1)
     beta: float = Field(0.04, ge=0)  # KL to the reference (the starting model); 0: no reference forward
     scale_rewards: bool = True  # divide by the group's std (GRPO); False: Dr. GRPO
+    # sample this many times the step's prompts and train on the groups whose rewards differ (DAPO's dynamic
+    # sampling: an all-right or all-wrong group has zero advantages); 1: train on every sampled group
+    oversample: float = Field(1.0, ge=1.0)
     loss_agg: Literal["sequence", "token"] = "sequence"  # per completion then mean (GRPO), or per token (DAPO)
     # policy updates per rollout batch (DeepSeekMath's μ, TRL's num_iterations): train.steps counts updates, a
     # rollout every num_iterations of them; updates after the first see ρ != 1 against the rollout's log-probs, so

@@ -52,6 +52,15 @@ def group_advantages(rewards: jax.Array, *, scale: bool = True, eps: float = 1e-
     return centred / (rewards.std(axis=-1, keepdims=True) + eps) if scale else centred
 
 
+def informative_groups(rewards: np.ndarray, keep: int) -> np.ndarray:
+    """DAPO's dynamic sampling (Yu et al. 2025, arXiv:2503.14476, section 3.2): of sampled groups' rewards
+    [Q, G], the indices of `keep` groups, those whose rewards differ first (a group whose rewards are all equal
+    has zero advantages: it adds no gradient, only rows), each part in sampled order; all-equal groups fill
+    what is left, so the batch keeps its shape (DAPO samples again instead)."""
+    differ = rewards.std(axis=-1) > 0
+    return np.concatenate([np.flatnonzero(differ), np.flatnonzero(~differ)])[:keep]
+
+
 def grpo_sums(new_logp: jax.Array, old_logp: jax.Array, ref_logp: jax.Array | None, advantages: jax.Array,
               mask: jax.Array, *, clip_eps: float = 0.2, beta: float = 0.04,
               loss_agg: LossAgg = "sequence") -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
@@ -239,12 +248,13 @@ def fit_grpo(trainer: Any, reference: nnx.Module | None, cfg: Any, train: Prompt
              label: str = "grpo") -> dict[str, Any]:
     """GRPO for `trainer.cfg.steps` steps: each rollout samples `prompts_per_step` train prompts (fixed by the
     rollout's number, so a resumed run repeats nothing), G completions each with the current policy, scores them
-    with the checker, turns the scores into group-relative advantages, and takes `cfg.num_iterations` optimizer
-    steps on the batch (`cfg`: tasks/configs.py GRPOConfig; after the first, against the rollout's own
-    log-probabilities). The reference's log-probabilities enter the KL term (None:
+    with the checker (with `cfg.oversample` > 1, more prompts are sampled and the groups whose rewards differ
+    are kept: `informative_groups`), turns the scores into group-relative advantages, and takes
+    `cfg.num_iterations` optimizer steps on the batch (`cfg`: tasks/configs.py GRPOConfig; after the first,
+    against the rollout's own log-probabilities). The reference's log-probabilities enter the KL term (None:
     β = 0). Held-out pass@1 at temperature 0 and at the sampling temperature is measured before training,
-    every `eval_every` steps and at the end. Returns the curves (reward, KL, clip fraction, completion length,
-    held-out accuracy per measured step) and the before/after accuracies."""
+    every `eval_every` steps and at the end. Returns the curves (reward, informative groups, KL, clip fraction,
+    completion length, held-out accuracy per measured step) and the before/after accuracies."""
     tc = trainer.cfg
     G, P = cfg.group_size, tc.batch_size // cfg.group_size
     prompt_len = max(len(p) for p in train.ids + heldout.ids)
@@ -284,7 +294,8 @@ def fit_grpo(trainer: Any, reference: nnx.Module | None, cfg: Any, train: Prompt
             if step % mu == 0:  # a new rollout: rollout r is fixed by r, so a resumed run repeats nothing
                 r = step // mu
                 rng = np.random.default_rng([tc.seed, r])
-                picks = rng.choice(len(train), size=P, replace=len(train) < P)
+                Q = math.ceil(P * cfg.oversample)  # prompts sampled: P of them are trained on
+                picks = rng.choice(len(train), size=Q, replace=len(train) < Q)
                 prompts = [train.ids[i] for i in picks for _ in range(G)]
                 texts = [train.text[i] for i in picks for _ in range(G)]
                 tr = time.perf_counter()
@@ -294,8 +305,12 @@ def fit_grpo(trainer: Any, reference: nnx.Module | None, cfg: Any, train: Prompt
                                      prompt_len=length_bucket(max(len(p) for p in prompts), prompt_len))
                 rollout_s += time.perf_counter() - tr
                 rollout_tokens += int(sum(len(c) for c in completions))
-                rewards = np.asarray(score_all(score, texts, [decode(c.tolist()) for c in completions]),
-                                     np.float32).reshape(P, G)
+                sampled = np.asarray(score_all(score, texts, [decode(c.tolist()) for c in completions]),
+                                     np.float32).reshape(Q, G)
+                keep = informative_groups(sampled, P) if Q > P else np.arange(P)
+                rows = [g * G + j for g in keep for j in range(G)]
+                prompts, completions = [prompts[i] for i in rows], [completions[i] for i in rows]
+                rewards = sampled[keep]
                 adv = np.asarray(group_advantages(jnp.asarray(rewards), scale=cfg.scale_rewards)).reshape(-1)
                 batch = rollout_batch(prompts, completions, adv, seq_len=seq_len, pad=pad)
                 device_batch = {k: jnp.asarray(v) for k, v in batch.items()}
@@ -308,7 +323,8 @@ def fit_grpo(trainer: Any, reference: nnx.Module | None, cfg: Any, train: Prompt
                 raise TrainingDiverged(f"{label}: step {step + 1}: loss {stats['loss']} grad_norm "
                                        f"{stats['grad_norm']} is not finite")
             per_tok = max(stats["tokens"], 1e-9)
-            row = {"reward": float(rewards.mean()), "loss": stats["loss"], "kl": stats["kl"] / per_tok,
+            row = {"reward": float(sampled.mean()), "informative_groups": float((sampled.std(-1) > 0).mean()),
+                   "loss": stats["loss"], "kl": stats["kl"] / per_tok,
                    "clip_fraction": stats["clip_fraction"] / per_tok, "grad_norm": stats["grad_norm"],
                    "completion_tokens": float(np.mean([len(c) for c in completions])),
                    "rollout_tokens_per_s": rollout_tokens / max(rollout_s, 1e-9)}

@@ -170,6 +170,54 @@ def test_grpo_config_and_data_errors_name_the_field(arithmetic_base, tiny_base, 
     assert not (tmp_path / "o" / "model").exists()
 
 
+def test_informative_groups_come_first_in_sampled_order():
+    rewards = np.asarray([[1, 1, 1, 1], [0, 1, 0, 0], [0, 0, 0, 0], [0.5, 0.5, 0, 0], [0.2, 0.2, 0.2, 0.2]])
+    assert grpo.informative_groups(rewards, 2).tolist() == [1, 3]
+    assert grpo.informative_groups(rewards, 4).tolist() == [1, 3, 0, 2]  # too few differ: all-equal ones fill in
+
+
+def _plus_parity(prompt: str, completion: str) -> float:
+    """A test checker that tells completions apart only on `+` prompts (a third of builtin://arithmetic's), about
+    half of them 1.0 there: every other prompt's group scores all 0, carrying no gradient."""
+    return float(zlib.crc32(completion.encode()) % 2 == 0) if "+" in prompt else 0.0
+
+
+def test_oversampling_trains_on_the_groups_whose_rewards_differ(arithmetic_base, tmp_path, monkeypatch):
+    """`grpo.oversample: 3` (DAPO's dynamic sampling): thrice the prompts are rolled out and, of those, the groups
+    whose rewards differ fill the step's batch first; without it, the all-equal groups of non-`+` prompts take
+    most of the batch."""
+    from tasks.checkers.registry import CHECKERS, Checker
+    from tasks.configs import FinetuneConfig, GRPOConfig
+    from tasks.finetune import finetune
+    from tasks.training.config import TrainConfig
+
+    monkeypatch.setitem(CHECKERS, "plus_parity", Checker("plus_parity", _plus_parity, lambda p: True, "test"))
+    trained: list[int] = []  # per step: groups of the batch whose advantages are not all zero
+    original = grpo.rollout_batch
+
+    def spy(prompts, completions, advantages, **kw):
+        trained.append(int((np.abs(np.asarray(advantages).reshape(-1, 8)).max(-1) > 0).sum()))
+        return original(prompts, completions, advantages, **kw)
+
+    monkeypatch.setattr(grpo, "rollout_batch", spy)
+    base, data = arithmetic_base
+    runs = {}
+    for over in (1.0, 3.0):
+        cfg = FinetuneConfig(method="grpo", mode="full",
+                             grpo=GRPOConfig(checker="plus_parity", group_size=8, max_new_tokens=4, eval_every=100,
+                                             eval_prompts=8, eval_batch_size=8, oversample=over),
+                             train=TrainConfig(steps=6, batch_size=32, learning_rate=1e-2, warmup_steps=2))
+        trained.clear()
+        out = finetune(cfg, base, data, tmp_path / f"out{over}")
+        sampled = [round(f * 4 * over) for _, f in out["curves"]["informative_groups"]]  # of 4 x `over` groups
+        runs[over] = (list(trained), sampled)
+    print("trained / informative among sampled:", runs)
+    plain, over = runs[1.0], runs[3.0]
+    assert plain[0] == plain[1]  # every informative group of the 4 sampled is trained on, no more
+    assert over[0] == [min(4, n) for n in over[1]]  # of the 12 sampled, as many informative ones as fit
+    assert sum(over[0]) > sum(plain[0])
+
+
 def test_sft_then_grpo_starts_from_the_sft_model(arithmetic_base, tmp_path, monkeypatch):
     """`sft_steps`: SFT on the packed rows first (its validation loss falls), then GRPO from that model, whose
     held-out accuracy before RL is the SFT model's; with `method: sft` the key is refused."""

@@ -58,7 +58,7 @@ def test_shipped_recipes_extend_the_default(tmp_path):
     assert dpo.base == tiny.base and dpo.data.corpus == "builtin://python-stdlib-preferences"
     grpo = load_recipe("tiny-grpo")
     assert grpo.finetune.method == "grpo" and grpo.finetune.grpo.checker == "letters" and grpo.base == tiny.base
-    assert grpo.finetune.sft_steps and grpo.finetune.sft_config.learning_rate > 10 * grpo.finetune.train.learning_rate
+    assert grpo.finetune.sft_steps and grpo.finetune.sft_config.learning_rate >= 10 * grpo.finetune.train.learning_rate
     assert grpo.data.corpus == "builtin://letters"
     kd = load_recipe("tiny-distill")
     assert kd.finetune.method == "distill" and kd.finetune.mode == "full" and kd.finetune.distill.checker == "letters"
