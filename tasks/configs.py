@@ -102,6 +102,10 @@ class GRPOConfig(BaseModel):
     top_p: float = Field(1.0, gt=0, le=1)
     clip_eps: float = Field(0.2, gt=0, lt=1)
     beta: float = Field(0.04, ge=0)  # KL to the reference (the starting model); 0: no reference forward
+    # with beta 0, still hold the reference and measure KL(policy || reference) at each held-out evaluation (on
+    # the rollout the policy just sampled): the KL curve a run is watched by, for the reference's weights in
+    # memory and one forward per evaluation; False: no reference at all (the curve is absent)
+    monitor_kl: bool = True
     scale_rewards: bool = True  # divide by the group's std (GRPO); False: Dr. GRPO
     # sample this many times the step's prompts and train on the groups whose rewards differ (DAPO's dynamic
     # sampling: an all-right or all-wrong group has zero advantages); 1: train on every sampled group
@@ -114,6 +118,11 @@ class GRPOConfig(BaseModel):
     eval_every: int = Field(25, ge=1)  # held-out pass@1 every this many steps
     eval_prompts: int = Field(256, ge=1)  # held-out prompts (data_prep's prompts.parquet, capped at what it has)
     eval_batch_size: int = Field(64, ge=1)
+
+    @property
+    def needs_reference(self) -> bool:
+        """Whether the run holds the reference model: for the KL term, or to measure the KL it would be."""
+        return self.beta > 0 or self.monitor_kl
 
     @field_validator("checker")
     @classmethod

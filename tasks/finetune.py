@@ -87,7 +87,7 @@ def finetune(
         extra["sft"] = {k: m[k] for k in ("steps", "valid_loss_before", "valid_loss_after", "final_train_loss",
                                           "train_losses")}
         model = sft.model()
-        if cfg.method == "grpo" and cfg.grpo.beta > 0:  # a copy: the next Trainer donates the model's buffers
+        if cfg.method == "grpo" and cfg.grpo.needs_reference:  # a copy: the next Trainer donates the model's buffers
             graphdef, state = nnx.split(model)
             reference = nnx.merge(graphdef, jax.tree.map(jnp.copy, state))
     if cfg.method == "dpo":
@@ -116,7 +116,7 @@ def finetune(
         extra["preference_after"] = pm.preference_metrics(trainer.model(), valid, trainer.put, **preference)
         log.info("finetune[dpo]: held-out %s", json.dumps(extra["preference_after"]))
     elif cfg.method == "grpo":
-        if cfg.grpo.beta > 0 and reference is None:  # the base loaded again (LoRA: the weights, adapters off)
+        if cfg.grpo.needs_reference and reference is None:  # the base again (LoRA: the weights, adapters off)
             reference = models.from_pretrained(str(base_dir), dtype=jnp.float32, mesh=mesh,
                                                rules=mesh_rules(cfg.train.mesh))
         metrics = grpo.fit_grpo(trainer, reference, cfg.grpo, *rl, checkpoints=checkpoints, progress=progress,

@@ -61,6 +61,13 @@ def informative_groups(rewards: np.ndarray, keep: int) -> np.ndarray:
     return np.concatenate([np.flatnonzero(differ), np.flatnonzero(~differ)])[:keep]
 
 
+def k3(new_logp: jax.Array, ref_logp: jax.Array) -> jax.Array:
+    """Schulman's k3 estimate of KL(π ‖ π_ref) per sampled token [N, T] (unbiased and >= 0 on tokens drawn
+    from π): π_ref/π - log(π_ref/π) - 1."""
+    d = ref_logp - new_logp
+    return jnp.exp(d) - d - 1.0
+
+
 def grpo_sums(new_logp: jax.Array, old_logp: jax.Array, ref_logp: jax.Array | None, advantages: jax.Array,
               mask: jax.Array, *, clip_eps: float = 0.2, beta: float = 0.04,
               loss_agg: LossAgg = "sequence") -> tuple[jax.Array, jax.Array, dict[str, jax.Array]]:
@@ -71,11 +78,7 @@ def grpo_sums(new_logp: jax.Array, old_logp: jax.Array, ref_logp: jax.Array | No
     ratio = jnp.exp(new_logp - old_logp)  # [N, T]
     adv = advantages[:, None] if advantages.ndim == 1 else advantages  # [N, 1] or per token [N, T]
     surrogate = jnp.minimum(ratio * adv, jnp.clip(ratio, 1 - clip_eps, 1 + clip_eps) * adv)
-    if ref_logp is not None and beta > 0:
-        d = ref_logp - new_logp
-        kl = jnp.exp(d) - d - 1.0  # [N, T], >= 0
-    else:
-        kl = jnp.zeros_like(new_logp)
+    kl = k3(new_logp, ref_logp) if ref_logp is not None and beta > 0 else jnp.zeros_like(new_logp)  # [N, T]
     per_token = surrogate - beta * kl
     tokens = mask.sum(-1)  # [N]
     if loss_agg == "sequence":
@@ -251,9 +254,10 @@ def fit_grpo(trainer: Any, reference: nnx.Module | None, cfg: Any, train: Prompt
     with the checker (with `cfg.oversample` > 1, more prompts are sampled and the groups whose rewards differ
     are kept: `informative_groups`), turns the scores into group-relative advantages, and takes
     `cfg.num_iterations` optimizer steps on the batch (`cfg`: tasks/configs.py GRPOConfig; after the first,
-    against the rollout's own log-probabilities). The reference's log-probabilities enter the KL term (None:
-    β = 0). Held-out pass@1 at temperature 0 and at the sampling temperature is measured before training,
-    every `eval_every` steps and at the end. Returns the curves (reward, informative groups, KL, clip fraction,
+    against the rollout's own log-probabilities). The reference's log-probabilities enter the KL term; with β = 0
+    they are only watched: KL(π ‖ π_ref) on the rollout of each evaluated step (None: no reference, no KL).
+    Held-out pass@1 at temperature 0 and at the sampling temperature is measured before training, every
+    `eval_every` steps and at the end. Returns the curves (reward, informative groups, KL, clip fraction,
     completion length, held-out accuracy per measured step) and the before/after accuracies."""
     tc = trainer.cfg
     G, P = cfg.group_size, tc.batch_size // cfg.group_size
@@ -289,6 +293,11 @@ def fit_grpo(trainer: Any, reference: nnx.Module | None, cfg: Any, train: Prompt
     curves: dict[str, list[list[float]]] = {k: [[0, v]] for k, v in before.items()}
     t0, rollout_s, rollout_tokens = time.perf_counter(), 0.0, 0
     mu = cfg.num_iterations
+
+    def evaluates(step: int) -> bool:  # whether held-out accuracy is measured after update `step` (0-based)
+        return (step + 1) % cfg.eval_every == 0 or step + 1 == tc.steps
+
+    watched_kl = None  # β = 0 with a reference: KL(π ‖ π_ref) measured on the rollouts of evaluated steps
     try:
         for step in range(start, tc.steps):
             if step % mu == 0:  # a new rollout: rollout r is fixed by r, so a resumed run repeats nothing
@@ -318,18 +327,25 @@ def fit_grpo(trainer: Any, reference: nnx.Module | None, cfg: Any, train: Prompt
                     batch["ref_logp"] = np.asarray(ref_logps(reference, device_batch))
                 if mu > 1:  # the sampling policy's log-probabilities: the ratio's denominator for all μ updates
                     batch["old_logp"] = np.asarray(ref_logps(trainer.model(), device_batch))
+                if reference is not None and cfg.beta == 0 and any(map(evaluates, range(step, step + mu))):
+                    # the policy that sampled these completions against the reference, on them: the k3 estimate
+                    # the KL term would train on, watched instead (no gradient, one forward each)
+                    kl = k3(ref_logps(trainer.model(), device_batch), ref_logps(reference, device_batch))
+                    mask = device_batch["loss_mask"]
+                    watched_kl = float((kl * mask).sum() / jnp.maximum(mask.sum(), 1))
             stats = {k: float(v) for k, v in trainer.step(batch).items()}
             if not (math.isfinite(stats["loss"]) and math.isfinite(stats["grad_norm"])):
                 raise TrainingDiverged(f"{label}: step {step + 1}: loss {stats['loss']} grad_norm "
                                        f"{stats['grad_norm']} is not finite")
             per_tok = max(stats["tokens"], 1e-9)
             row = {"reward": float(sampled.mean()), "informative_groups": float((sampled.std(-1) > 0).mean()),
-                   "loss": stats["loss"], "kl": stats["kl"] / per_tok,
+                   "loss": stats["loss"],
+                   **({"kl": stats["kl"] / per_tok} if cfg.beta > 0 else {}),
                    "clip_fraction": stats["clip_fraction"] / per_tok, "grad_norm": stats["grad_norm"],
                    "completion_tokens": float(np.mean([len(c) for c in completions])),
                    "rollout_tokens_per_s": rollout_tokens / max(rollout_s, 1e-9)}
-            if (step + 1) % cfg.eval_every == 0 or step + 1 == tc.steps:
-                row |= heldout_accuracy()
+            if evaluates(step):
+                row |= heldout_accuracy() | ({"kl": watched_kl} if watched_kl is not None else {})
             for k, v in row.items():
                 if k not in ("loss", "grad_norm", "rollout_tokens_per_s"):
                     curves.setdefault(k, []).append([step + 1, v])

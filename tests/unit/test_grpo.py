@@ -153,6 +153,32 @@ def test_grpo_raises_the_reward_and_reports_its_curves(arithmetic_base, tmp_path
     assert png.shape[0] >= 400 and png.shape[1] >= 1000 and len(np.unique(png.reshape(-1, png.shape[-1]), axis=0)) > 50
 
 
+def test_with_beta_zero_the_kl_to_the_reference_is_watched_at_each_evaluation(arithmetic_base, tmp_path,
+                                                                              monkeypatch):
+    """β = 0 trains without the KL term, yet `monitor_kl` measures KL(π ‖ π_ref) on the rollout of every
+    evaluated step: about 0 while the policy has not moved (a rate of 1e-9), clearly above it once it has;
+    `monitor_kl: false` holds no reference and has no KL curve."""
+    from tasks.checkers.registry import CHECKERS, Checker
+    from tasks.configs import FinetuneConfig, GRPOConfig
+    from tasks.finetune import finetune
+    from tasks.training.config import TrainConfig
+
+    monkeypatch.setitem(CHECKERS, "vowel_start", Checker("vowel_start", _vowel_start, lambda p: True, "test"))
+    base, data = arithmetic_base
+    curves = {}
+    for name, lr, watch in (("still", 1e-9, True), ("moved", 1e-2, True), ("off", 1e-2, False)):
+        cfg = FinetuneConfig(method="grpo", mode="full",
+                             grpo=GRPOConfig(checker="vowel_start", group_size=8, max_new_tokens=4, eval_every=4,
+                                             eval_prompts=8, eval_batch_size=8, beta=0.0, monitor_kl=watch),
+                             train=TrainConfig(steps=8, batch_size=32, learning_rate=lr, warmup_steps=1))
+        curves[name] = finetune(cfg, base, data, tmp_path / name)["curves"]
+    print({k: c.get("kl") for k, c in curves.items()})
+    assert [s for s, _ in curves["still"]["kl"]] == [4, 8] == [s for s, _ in curves["moved"]["kl"]]
+    assert all(abs(v) < 1e-5 for _, v in curves["still"]["kl"])
+    assert all(v > 1e-3 for _, v in curves["moved"]["kl"])
+    assert "kl" not in curves["off"] and "accuracy_t0" in curves["off"]
+
+
 def test_grpo_config_and_data_errors_name_the_field(arithmetic_base, tiny_base, tmp_path):
     from pydantic import ValidationError
 
