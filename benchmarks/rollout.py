@@ -178,14 +178,14 @@ def run(model: nnx.Module, prompts: grpo.PromptSet, *, batch_size: int = 16, gro
         graphdef, state = nnx.split(model)
         reference = nnx.merge(graphdef, jax.tree.map(jnp.copy, state))
     tc = TrainConfig(steps=repeats + 1, batch_size=batch_size, compute_dtype=compute_dtype, seed=seed)
-    objective = grpo.grpo_objective(clip_eps=0.2, beta=beta, loss_agg="sequence", temperature=temperature)
+    objective = grpo.grpo_objective(clip_eps=0.2, beta=beta, loss_agg="sequence", temperature=temperature,
+                                    width=max_new_tokens)
     trainer = Trainer(model, tc, loss_fn=objective, count_fn=grpo.grpo_count("sequence"))
     G, P = group_size, batch_size // group_size
     prompt_len = max(len(p) for p in prompts.ids)  # fit_grpo: over the train and held-out prompts
     seq_len = prompt_len + max_new_tokens
-    ref_logps = nnx.jit(lambda m, b: grpo.sampled_logps(m(b["input_ids"], positions=b["positions"],
-                                                          segment_ids=b["segment_ids"]), b["target_ids"],
-                                                        temperature))
+    ref_logps = nnx.jit(lambda m, b: grpo.completion_logps(m, b, grpo.completion_window(b, max_new_tokens)[0],
+                                                           temperature))  # fit_grpo's
     peer_model = trainer.model()  # the same model, taken once
     opts = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p)
 

@@ -212,19 +212,21 @@ def _generate_jit(graphdef, state, prompt_ids, prompt_lengths, rng, temperature,
         positions = t
         last = prompt_lengths - 1
     cache = KVCache.init(model.config, B, T + M + int(want_hidden), model.dtype)
+    # the LM head on each row's last prompt position only: the model's [B, T, V] logits go unused, so the
+    # compiled program never computes them (at 128k+ vocabularies and long prompts, the prefill's largest tensor)
     out = model(prompt_ids, positions=positions, segment_ids=real.astype(jnp.int32), cache=cache,
-                return_hidden=return_hidden)
-    logits, cache = out[0], out[1]
+                return_hidden=(*return_hidden, -1))
+    cache, final = out[1], out[2][-1]  # final normed hidden [B, T, D]
     if padding_side == "right":
         cache = cache.rollback(prompt_lengths)  # decode overwrites the right padding
     rng, key = jax.random.split(rng)
-    first = sample(logits[jnp.arange(B), last], key)  # [B]
+    first = sample(model.lm_logits(final[jnp.arange(B), last]), key)  # [B]
     done = is_eos(first)
     tokens = jnp.full((B, M + 1), pad_id, jnp.int32).at[:, 0].set(first)  # one spare column
     D = model.config.hidden_size
     hidden = [  # [B, T + M, D] each
         jnp.concatenate([h, jnp.zeros((B, M, D), h.dtype)], axis=1)
-        for h in out[2]
+        for h in out[2][:-1]
     ] if want_hidden else []
 
     # -- decode: step i feeds token i-1 and samples token i; with return_hidden a last step i = M

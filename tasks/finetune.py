@@ -96,7 +96,7 @@ def finetune(
         g = cfg.grpo
         trainer = Trainer(model, cfg.train, trainable=trainable, mesh=mesh,
                           loss_fn=grpo.grpo_objective(clip_eps=g.clip_eps, beta=g.beta, loss_agg=g.loss_agg,
-                                                      temperature=g.temperature),
+                                                      temperature=g.temperature, width=g.max_new_tokens),
                           count_fn=grpo.grpo_count(g.loss_agg))
     elif cfg.method == "distill":
         d = cfg.distill

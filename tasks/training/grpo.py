@@ -115,21 +115,51 @@ def sampled_logps(logits: jax.Array, tokens: jax.Array, temperature: float = 1.0
     return jnp.take_along_axis(logp, tokens[..., None], axis=-1)[..., 0]
 
 
+# -- the completion window ----------------------------------------------------------------------------------
+#
+# Only a completion's tokens carry loss, so the LM head (and its softmax over the vocabulary) runs on a window
+# of W = max_new_tokens positions per row, from the row's first completion target on, instead of on all T
+# (verl likewise takes log-probabilities of the response slice only). With short completions after longer
+# prompts this is most of the head's work: tiny-grpo's rows are ~18 positions of which <= 8 are completion.
+
+
+def completion_window(batch: dict[str, jax.Array], width: int) -> tuple[jax.Array, jax.Array]:
+    """(positions [N, W] of each row's completion targets, `completion_start` + 0..W-1 clipped to the row, and
+    the loss mask at them [N, W], zero where clipping repeated a position)."""
+    T = batch["input_ids"].shape[1]
+    pos = batch["completion_start"][:, :1] + jnp.arange(width)[None, :]  # [N, W]
+    idx = jnp.minimum(pos, T - 1)
+    mask = jnp.take_along_axis(batch["loss_mask"], idx, axis=1) * (pos < T)
+    return idx, mask
+
+
+def completion_logps(model: nnx.Module, batch: dict[str, jax.Array], idx: jax.Array,
+                     temperature: float) -> jax.Array:
+    """log-probabilities [N, W] of the target tokens at positions `idx` [N, W], the LM head applied there only
+    (the decoder's own [N, T, V] logits are unused, so the compiled program never computes them)."""
+    _, (h,) = model(batch["input_ids"], positions=batch["positions"], segment_ids=batch["segment_ids"],
+                    return_hidden=(-1,))  # h: the final normed hidden [N, T, D]
+    h = jnp.take_along_axis(h, idx[..., None], axis=1)  # [N, W, D]
+    return sampled_logps(model.lm_logits(h), jnp.take_along_axis(batch["target_ids"], idx, axis=1), temperature)
+
+
 # -- the objective on the Trainer ---------------------------------------------------------------------------
 
 
-def grpo_objective(*, clip_eps: float, beta: float, loss_agg: LossAgg, temperature: float):
+def grpo_objective(*, clip_eps: float, beta: float, loss_agg: LossAgg, temperature: float, width: int):
     """The Trainer's objective on a rollout batch (`rollout_batch`): (loss sum, the MoE balance loss, metric
-    sums); pair it with `count_fn=grpo_count(loss_agg)`. Without an `old_logp` column the sampling policy is
-    the current one (one update per rollout, as TRL's default): ρ = 1 in value, its gradient the policy
-    gradient."""
+    sums); pair it with `count_fn=grpo_count(loss_agg)`. `width`: the completion window (max_new_tokens);
+    `old_logp` and `ref_logp` columns are [N, width] (`completion_logps`). Without an `old_logp` column the
+    sampling policy is the current one (one update per rollout, as TRL's default): ρ = 1 in value, its gradient
+    the policy gradient."""
 
     def inner(model: nnx.Module, batch: dict[str, jax.Array]):
-        logits = model(batch["input_ids"], positions=batch["positions"], segment_ids=batch["segment_ids"])
-        new = sampled_logps(logits, batch["target_ids"], temperature)  # [N, T]
+        idx, mask = completion_window(batch, width)  # [N, W] each
+        new = completion_logps(model, batch, idx, temperature)  # [N, W]
         old = batch["old_logp"] if "old_logp" in batch else jax.lax.stop_gradient(new)
-        total, _, m = grpo_sums(new, old, batch.get("ref_logp"), batch["advantage"], batch["loss_mask"],
-                                clip_eps=clip_eps, beta=beta, loss_agg=loss_agg)
+        adv = jnp.take_along_axis(batch["advantage"], idx, axis=1)
+        total, _, m = grpo_sums(new, old, batch.get("ref_logp"), adv, mask, clip_eps=clip_eps, beta=beta,
+                                loss_agg=loss_agg)
         return total, m
 
     def objective(model: nnx.Module, batch: dict[str, jax.Array]):
@@ -208,21 +238,23 @@ def length_bucket(n: int, cap: int, step: int = 32) -> int:
 
 def rollout_batch(prompts: list[np.ndarray], completions: list[np.ndarray], advantages: np.ndarray, *,
                   seq_len: int, pad: int) -> dict[str, np.ndarray]:
-    """Packed-row columns [N, seq_len] of prompt + completion, loss on the completion's tokens, and the
-    completion's advantage on every position (`advantage` [N, seq_len])."""
+    """Packed-row columns [N, seq_len] of prompt + completion, loss on the completion's tokens, the
+    completion's advantage on every position (`advantage` [N, seq_len]) and the position of its first target
+    on every position (`completion_start`: where `completion_window` starts)."""
     N = len(prompts)
     cols = {c: np.zeros((N, seq_len), np.int32) for c in ("input_ids", "target_ids", "positions", "segment_ids",
                                                          "loss_mask")}
     cols["input_ids"][:], cols["target_ids"][:] = pad, pad
     adv = np.zeros((N, seq_len), np.float32)
+    start = np.zeros((N, seq_len), np.int32)
     for i, (p, c) in enumerate(zip(prompts, completions, strict=True)):
         seq = np.concatenate([p, c])[: seq_len + 1]
         n = len(seq) - 1
         cols["input_ids"][i, :n], cols["target_ids"][i, :n] = seq[:-1], seq[1:]
         cols["positions"][i, :n], cols["segment_ids"][i, :n] = np.arange(n), 1
         cols["loss_mask"][i, len(p) - 1 : n] = 1  # targets from the completion's first token on
-        adv[i] = advantages[i]
-    return {**cols, "advantage": adv}
+        adv[i], start[i] = advantages[i], len(p) - 1
+    return {**cols, "advantage": adv, "completion_start": start}
 
 
 # -- the loop -----------------------------------------------------------------------------------------------
@@ -263,9 +295,8 @@ def fit_grpo(trainer: Any, reference: nnx.Module | None, cfg: Any, train: Prompt
     G, P = cfg.group_size, tc.batch_size // cfg.group_size
     prompt_len = max(len(p) for p in train.ids + heldout.ids)
     seq_len = prompt_len + cfg.max_new_tokens
-    ref_logps = nnx.jit(lambda m, b: sampled_logps(m(b["input_ids"], positions=b["positions"],
-                                                     segment_ids=b["segment_ids"]), b["target_ids"],
-                                                   cfg.temperature))
+    ref_logps = nnx.jit(lambda m, b: completion_logps(m, b, completion_window(b, cfg.max_new_tokens)[0],
+                                                      cfg.temperature))  # [N, max_new_tokens]
     writer = TensorBoardWriter(logdir) if logdir is not None and jax.process_index() == 0 else None
 
     def heldout_accuracy() -> dict[str, float]:
@@ -331,7 +362,7 @@ def fit_grpo(trainer: Any, reference: nnx.Module | None, cfg: Any, train: Prompt
                     # the policy that sampled these completions against the reference, on them: the k3 estimate
                     # the KL term would train on, watched instead (no gradient, one forward each)
                     kl = k3(ref_logps(trainer.model(), device_batch), ref_logps(reference, device_batch))
-                    mask = device_batch["loss_mask"]
+                    mask = completion_window(device_batch, cfg.max_new_tokens)[1]
                     watched_kl = float((kl * mask).sum() / jnp.maximum(mask.sum(), 1))
             stats = {k: float(v) for k, v in trainer.step(batch).items()}
             if not (math.isfinite(stats["loss"]) and math.isfinite(stats["grad_norm"])):

@@ -83,6 +83,43 @@ def test_sampled_logps_use_the_sampling_temperature():
     assert float(got[0, 0]) == pytest.approx(want, rel=1e-6)
 
 
+def test_the_completion_window_gives_the_full_heads_log_probabilities_and_gradient():
+    """The objective runs the LM head on each row's completion window only: its log-probabilities, loss and
+    gradient are those of the head over every position (the model's own logits) restricted to the loss mask,
+    on rows of different prompt and completion lengths, a full-width completion and an empty one among them."""
+    from flax import nnx
+
+    import models
+
+    model = models.Llama(models.LlamaConfig.tiny(vocab_size=64), rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(0)
+    W, T = 4, 10
+    prompts = [rng.integers(3, 64, n).astype(np.int32) for n in (3, 6, 2, 5)]
+    completions = [rng.integers(3, 64, n).astype(np.int32) for n in (4, 2, 0, 1)]
+    adv = np.asarray([1.0, -0.5, 0.3, -1.2], np.float32)
+    batch = {k: jnp.asarray(v) for k, v in grpo.rollout_batch(prompts, completions, adv, seq_len=T, pad=0).items()}
+    idx, mask = grpo.completion_window(batch, W)
+    window = grpo.completion_logps(model, batch, idx, 0.7)  # [N, W]
+    full = grpo.sampled_logps(model(batch["input_ids"], positions=batch["positions"],
+                                    segment_ids=batch["segment_ids"]), batch["target_ids"], 0.7)  # [N, T]
+    lm = np.asarray(batch["loss_mask"], bool)
+    np.testing.assert_allclose(np.asarray(window)[np.asarray(mask, bool)], np.asarray(full)[lm], rtol=1e-5)
+    assert int(mask.sum()) == int(lm.sum()) == 7
+
+    def full_loss(m):
+        new = grpo.sampled_logps(m(batch["input_ids"], positions=batch["positions"],
+                                   segment_ids=batch["segment_ids"]), batch["target_ids"], 0.7)
+        return grpo.grpo_sums(new, jax.lax.stop_gradient(new), None, batch["advantage"], batch["loss_mask"],
+                              beta=0.0)[0]
+
+    objective = grpo.grpo_objective(clip_eps=0.2, beta=0.0, loss_agg="sequence", temperature=0.7, width=W)
+    want, g_want = nnx.value_and_grad(full_loss)(model)
+    got, g_got = nnx.value_and_grad(lambda m: objective(m, batch)[0])(model)
+    assert float(got) == pytest.approx(float(want), rel=1e-5)
+    for a, b in zip(jax.tree.leaves(nnx.state(g_got)), jax.tree.leaves(nnx.state(g_want)), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-7)
+
+
 # -- the loop ----------------------------------------------------------------------------------------------
 
 
