@@ -101,7 +101,7 @@ class GRPOConfig(BaseModel):
     temperature: float = Field(1.0, gt=0)  # sampling temperature of the rollouts (and of the ratio's logits)
     top_p: float = Field(1.0, gt=0, le=1)
     clip_eps: float = Field(0.2, gt=0, lt=1)
-    beta: float = Field(0.04, ge=0)  # KL to the reference (the starting model); 0: no reference forward
+    beta: float = Field(0.04, ge=0)  # KL to the reference (the starting model); 0: no KL term (see monitor_kl)
     # with beta 0, still hold the reference and measure KL(policy || reference) at each held-out evaluation (on
     # the rollout the policy just sampled): the KL curve a run is watched by, for the reference's weights in
     # memory and one forward per evaluation; False: no reference at all (the curve is absent)

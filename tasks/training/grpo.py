@@ -356,12 +356,16 @@ def fit_grpo(trainer: Any, reference: nnx.Module | None, cfg: Any, train: Prompt
                 device_batch = {k: jnp.asarray(v) for k, v in batch.items()}
                 if reference is not None and cfg.beta > 0:
                     batch["ref_logp"] = np.asarray(ref_logps(reference, device_batch))
-                if mu > 1:  # the sampling policy's log-probabilities: the ratio's denominator for all μ updates
-                    batch["old_logp"] = np.asarray(ref_logps(trainer.model(), device_batch))
-                if reference is not None and cfg.beta == 0 and any(map(evaluates, range(step, step + mu))):
+                watch = reference is not None and cfg.beta == 0 and any(map(evaluates, range(step, step + mu)))
+                # the sampling policy's log-probabilities: the ratio's denominator for all μ updates, and the
+                # policy side of the watched KL
+                policy_logp = ref_logps(trainer.model(), device_batch) if mu > 1 or watch else None
+                if mu > 1:
+                    batch["old_logp"] = np.asarray(policy_logp)
+                if watch:
                     # the policy that sampled these completions against the reference, on them: the k3 estimate
-                    # the KL term would train on, watched instead (no gradient, one forward each)
-                    kl = k3(ref_logps(trainer.model(), device_batch), ref_logps(reference, device_batch))
+                    # the KL term would train on, watched instead (no gradient)
+                    kl = k3(policy_logp, ref_logps(reference, device_batch))
                     mask = completion_window(device_batch, cfg.max_new_tokens)[1]
                     watched_kl = float((kl * mask).sum() / jnp.maximum(mask.sum(), 1))
             stats = {k: float(v) for k, v in trainer.step(batch).items()}
