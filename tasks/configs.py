@@ -110,6 +110,11 @@ class GRPOConfig(BaseModel):
     # sample this many times the step's prompts and train on the groups whose rewards differ (DAPO's dynamic
     # sampling: an all-right or all-wrong group has zero advantages); 1: train on every sampled group
     oversample: float = Field(1.0, ge=1.0)
+    # update on the groups whose rewards differ only (verl's DAPO `filter_groups`): the others' advantages are 0,
+    # so with beta 0 their rows add no gradient, only compute. The batch shrinks to the next multiple of an
+    # eighth of train.batch_size (a few compiled shapes); each completion's weight becomes 1 / the kept ones.
+    # With beta > 0 the dropped rows' KL term goes too.
+    filter_groups: bool = False
     loss_agg: Literal["sequence", "token"] = "sequence"  # per completion then mean (GRPO), or per token (DAPO)
     # policy updates per rollout batch (DeepSeekMath's μ, TRL's num_iterations): train.steps counts updates, a
     # rollout every num_iterations of them; updates after the first see ρ != 1 against the rollout's log-probs, so

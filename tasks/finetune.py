@@ -79,7 +79,6 @@ def finetune(
     elif cfg.method == "grpo":
         rl = _grpo_inputs(cfg, data_dir)
     extra: dict[str, Any] = {}
-    reference = None  # GRPO's KL reference: the model the method starts from
     if cfg.sft_steps:  # SFT first: the method (and its reference) start from the SFT model
         sft = Trainer(model, cfg.sft_config, trainable=trainable, mesh=mesh)
         m = fit(sft, data_dir, checkpoints=sft_checkpoints, progress=progress, label=f"finetune[sft,{cfg.mode}]",
@@ -87,9 +86,6 @@ def finetune(
         extra["sft"] = {k: m[k] for k in ("steps", "valid_loss_before", "valid_loss_after", "final_train_loss",
                                           "train_losses")}
         model = sft.model()
-        if cfg.method == "grpo" and cfg.grpo.needs_reference:  # a copy: the next Trainer donates the model's buffers
-            graphdef, state = nnx.split(model)
-            reference = nnx.merge(graphdef, jax.tree.map(jnp.copy, state))
     if cfg.method == "dpo":
         trainer = Trainer(model, cfg.train, trainable=trainable, mesh=mesh, **objective)
     elif cfg.method == "grpo":
@@ -116,9 +112,9 @@ def finetune(
         extra["preference_after"] = pm.preference_metrics(trainer.model(), valid, trainer.put, **preference)
         log.info("finetune[dpo]: held-out %s", json.dumps(extra["preference_after"]))
     elif cfg.method == "grpo":
-        if cfg.grpo.needs_reference and reference is None:  # the base again (LoRA: the weights, adapters off)
-            reference = models.from_pretrained(str(base_dir), dtype=jnp.float32, mesh=mesh,
-                                               rules=mesh_rules(cfg.train.mesh))
+        # the KL reference: the model RL starts from (the SFT model, or the base; LoRA: its adapters as they
+        # start, the base weights shared with the trainer)
+        reference = trainer.snapshot() if cfg.grpo.needs_reference else None
         metrics = grpo.fit_grpo(trainer, reference, cfg.grpo, *rl, checkpoints=checkpoints, progress=progress,
                                 logdir=out_dir / "tensorboard", label=f"finetune[grpo,{cfg.mode}]")
     elif cfg.method == "distill":

@@ -257,6 +257,23 @@ def rollout_batch(prompts: list[np.ndarray], completions: list[np.ndarray], adva
     return {**cols, "advantage": adv, "completion_start": start}
 
 
+def filtered_rows(n: int, batch_size: int, multiple: int) -> int:
+    """Rows of an update batch that holds `n` kept completions (`filter_groups`): `n` rounded up to an eighth
+    of `batch_size`, itself rounded up to `multiple` (what the mesh and the micro-batches divide), at most
+    `batch_size`: at most eight compiled shapes. 0 kept rows still make one eighth: an update of zero gradient,
+    as the unfiltered batch would be."""
+    eighth = -(-max(batch_size // 8, 1) // multiple) * multiple
+    return min(batch_size, max(1, -(-n // eighth)) * eighth)
+
+
+def pad_rows(batch: dict[str, np.ndarray], rows: int, pad: int) -> dict[str, np.ndarray]:
+    """`batch` [N, T] with empty rows appended up to `rows`: pad tokens, no loss, segment 0, so they add no
+    gradient and count in neither normaliser (`grpo_count`)."""
+    extra = rows - len(batch["input_ids"])
+    fill = {"input_ids": pad, "target_ids": pad}
+    return {c: np.concatenate([x, np.full((extra, *x.shape[1:]), fill.get(c, 0), x.dtype)]) for c, x in batch.items()}
+
+
 # -- the loop -----------------------------------------------------------------------------------------------
 
 
@@ -328,6 +345,8 @@ def fit_grpo(trainer: Any, reference: nnx.Module | None, cfg: Any, train: Prompt
     def evaluates(step: int) -> bool:  # whether held-out accuracy is measured after update `step` (0-based)
         return (step + 1) % cfg.eval_every == 0 or step + 1 == tc.steps
 
+    # a filtered batch's rows: a multiple of what the mesh's batch shards times the micro-batches divide
+    row_multiple = tc.grad_accum * (tc.batch_size // trainer.batch_sh.shard_shape((tc.batch_size, seq_len))[0])
     watched_kl = None  # β = 0 with a reference: KL(π ‖ π_ref) measured on the rollouts of evaluated steps
     try:
         for step in range(start, tc.steps):
@@ -344,15 +363,20 @@ def fit_grpo(trainer: Any, reference: nnx.Module | None, cfg: Any, train: Prompt
                                      rng=jax.random.PRNGKey(tc.seed * 1_000_003 + r), eos=eos, pad=pad,
                                      prompt_len=length_bucket(max(len(p) for p in prompts), prompt_len))
                 rollout_s += time.perf_counter() - tr
-                rollout_tokens += int(sum(len(c) for c in completions))
+                lengths = [len(c) for c in completions]  # of every sampled completion, kept or not
+                rollout_tokens += int(sum(lengths))
                 sampled = np.asarray(score_all(score, texts, [decode(c.tolist()) for c in completions]),
                                      np.float32).reshape(Q, G)
                 keep = informative_groups(sampled, P) if Q > P else np.arange(P)
+                if cfg.filter_groups:
+                    keep = keep[sampled[keep].std(-1) > 0]
                 rows = [g * G + j for g in keep for j in range(G)]
                 prompts, completions = [prompts[i] for i in rows], [completions[i] for i in rows]
                 rewards = sampled[keep]
                 adv = np.asarray(group_advantages(jnp.asarray(rewards), scale=cfg.scale_rewards)).reshape(-1)
                 batch = rollout_batch(prompts, completions, adv, seq_len=seq_len, pad=pad)
+                if cfg.filter_groups:
+                    batch = pad_rows(batch, filtered_rows(len(rows), tc.batch_size, row_multiple), pad)
                 device_batch = {k: jnp.asarray(v) for k, v in batch.items()}
                 if reference is not None and cfg.beta > 0:
                     batch["ref_logp"] = np.asarray(ref_logps(reference, device_batch))
@@ -377,7 +401,7 @@ def fit_grpo(trainer: Any, reference: nnx.Module | None, cfg: Any, train: Prompt
                    "loss": stats["loss"],
                    **({"kl": stats["kl"] / per_tok} if cfg.beta > 0 else {}),
                    "clip_fraction": stats["clip_fraction"] / per_tok, "grad_norm": stats["grad_norm"],
-                   "completion_tokens": float(np.mean([len(c) for c in completions])),
+                   "completion_tokens": float(np.mean(lengths)),
                    "rollout_tokens_per_s": rollout_tokens / max(rollout_s, 1e-9)}
             if evaluates(step):
                 row |= heldout_accuracy() | ({"kl": watched_kl} if watched_kl is not None else {})

@@ -136,6 +136,10 @@ def make_train_step(graphdef: Any, tx: optax.GradientTransformation, cfg: TrainC
     return train_step
 
 
+def _shape_key(batch: dict[str, Any]) -> tuple:
+    return tuple(sorted((c, tuple(np.shape(x))) for c, x in batch.items()))
+
+
 def _per_device_bytes(tree: Any) -> int:
     total = 0
     for x in jax.tree.leaves(tree):
@@ -187,7 +191,7 @@ class Trainer:
 
         self._train_step = jax.jit(train_step, donate_argnums=(0, 1, 2),
                                    out_shardings=(self.param_sh, opt_sh, self.rng_sh, replicated))
-        self._compiled: Any = None
+        self._compiled: dict[tuple, Any] = {}  # one executable per batch shape (GRPO's filtered batches vary)
         self._eval_step = jax.jit(eval_step)
 
     def adapter_params_per_token(self) -> int:
@@ -225,12 +229,12 @@ class Trainer:
 
     def compile(self, batch: dict[str, jax.Array]) -> dict[str, float]:
         """Compile the train step for this batch shape; returns the per-device memory estimate (bytes)."""
-        self._compiled = self._train_step.lower(*self._args(batch)).compile()
+        compiled = self._compiled[_shape_key(batch)] = self._train_step.lower(*self._args(batch)).compile()
         est = {"params": _per_device_bytes(self.params), "optimizer": _per_device_bytes(self.opt_state),
                "frozen": _per_device_bytes(self.frozen)}
         ma = None
         try:
-            ma = self._compiled.memory_analysis()
+            ma = compiled.memory_analysis()
         except Exception:  # pragma: no cover - some backends do not implement it
             pass
         est["temp"] = int(getattr(ma, "temp_size_in_bytes", 0) or 0)
@@ -239,14 +243,14 @@ class Trainer:
 
     @property
     def compiled(self) -> bool:
-        return self._compiled is not None
+        return bool(self._compiled)
 
     def step(self, batch: dict[str, np.ndarray | jax.Array]) -> dict[str, jax.Array]:
         if not all(isinstance(x, jax.Array) for x in batch.values()):
             batch = self.put(batch)
-        if self._compiled is None:
+        if (key := _shape_key(batch)) not in self._compiled:
             self.compile(batch)
-        self.params, self.opt_state, self.rng_state, stats = self._compiled(*self._args(batch))
+        self.params, self.opt_state, self.rng_state, stats = self._compiled[key](*self._args(batch))
         return stats
 
     def evaluate(self, batches: PackedBatches, n: int) -> float:
@@ -257,6 +261,18 @@ class Trainer:
             total += float(ce_sum)
             count += float(ntok)
         return total / max(count, 1.0)
+
+    def snapshot(self) -> nnx.Module:
+        """The model as it stands now (eval mode), for a reference that later steps must not move (GRPO's KL
+        reference): the trainable parameters are copied, since each step donates them, and the frozen ones are
+        the trainer's own arrays, which no step writes. In LoRA mode the copy is the adapters only: at the
+        start of training (zero-initialised B) the reference is the base with its adapters off, at the cost of
+        the adapters, not of a second base."""
+        params, rng_state = jax.tree.map(jnp.copy, (self.params, self.rng_state))
+        model = nnx.merge(self.eval_graphdef, params, rng_state, self.frozen)
+        if isinstance(model, DecoderLM):
+            model.remat = "none"
+        return model
 
     def model(self, gather: bool = False) -> nnx.Module:
         """The trained model (eval mode), its state as sharded on the mesh: models.hf.save_pretrained writes it

@@ -120,6 +120,47 @@ def test_the_completion_window_gives_the_full_heads_log_probabilities_and_gradie
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-7)
 
 
+def test_filtered_groups_give_the_full_batchs_gradient_per_kept_completion():
+    """`filter_groups`: dropping the groups whose rewards are all equal (zero advantages) and padding the batch
+    with empty rows leaves the gradient of the full batch, rescaled from its completions to the kept ones (the
+    per-completion mean of GRPO's `sequence` aggregation, over the kept rows): the dropped and padded rows add
+    nothing. The row counts are eighths of the batch, rounded up to what the mesh divides."""
+    from flax import nnx
+
+    import models
+
+    assert [grpo.filtered_rows(n, 64, 1) for n in (0, 1, 8, 9, 63, 64)] == [8, 8, 8, 16, 64, 64]
+    assert [grpo.filtered_rows(n, 64, 6) for n in (0, 13, 64)] == [12, 24, 64]  # eighths of 12: 6 divides them
+    model = models.Llama(models.LlamaConfig.tiny(vocab_size=64), rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(1)
+    P, G, T, W = 4, 4, 12, 4
+    prompts = [rng.integers(3, 64, int(rng.integers(2, 7))).astype(np.int32) for _ in range(P) for _ in range(G)]
+    completions = [rng.integers(3, 64, int(rng.integers(1, W + 1))).astype(np.int32) for _ in range(P * G)]
+    rewards = np.asarray([[1, 0, 0, 1], [1, 1, 1, 1], [0.5, 0, 0, 0], [0, 0, 0, 0]], np.float32)  # 2 informative
+    adv = np.asarray(grpo.group_advantages(jnp.asarray(rewards))).reshape(-1)
+    objective = grpo.grpo_objective(clip_eps=0.2, beta=0.0, loss_agg="sequence", temperature=0.7, width=W)
+    count = grpo.grpo_count("sequence")
+
+    def loss_and_grad(batch):
+        batch = {k: jnp.asarray(v) for k, v in batch.items()}
+        value, grad = nnx.value_and_grad(lambda m: objective(m, batch)[0])(model)
+        n = float(count(batch))
+        return float(value) / n, [np.asarray(g) / n for g in jax.tree.leaves(nnx.state(grad))], n
+
+    full = loss_and_grad(grpo.rollout_batch(prompts, completions, adv, seq_len=T, pad=0))
+    rows = [g * G + j for g in (0, 2) for j in range(G)]
+    kept = grpo.rollout_batch([prompts[i] for i in rows], [completions[i] for i in rows], adv[rows], seq_len=T,
+                              pad=0)
+    padded = grpo.pad_rows(kept, grpo.filtered_rows(len(rows), 48, 1), 0)  # as if the step's batch were 48 rows
+    assert padded["input_ids"].shape == (12, T) and not padded["loss_mask"][8:].any()
+    filtered = loss_and_grad(padded)
+    assert (full[2], filtered[2]) == (16, 8)
+    assert filtered[0] * 8 == pytest.approx(full[0] * 16, rel=1e-5, abs=1e-7)
+    for a, b in zip(filtered[1], full[1], strict=True):
+        np.testing.assert_allclose(a * 8, b * 16, rtol=1e-4, atol=1e-7)
+    assert max(np.abs(g).max() for g in full[1]) > 1e-4  # a gradient to compare
+
+
 # -- the loop ----------------------------------------------------------------------------------------------
 
 
@@ -248,7 +289,7 @@ def _plus_parity(prompt: str, completion: str) -> float:
 def test_oversampling_trains_on_the_groups_whose_rewards_differ(arithmetic_base, tmp_path, monkeypatch):
     """`grpo.oversample: 3` (DAPO's dynamic sampling): thrice the prompts are rolled out and, of those, the groups
     whose rewards differ fill the step's batch first; without it, the all-equal groups of non-`+` prompts take
-    most of the batch."""
+    most of the batch. `filter_groups`: the batch holds the informative groups only."""
     from tasks.checkers.registry import CHECKERS, Checker
     from tasks.configs import FinetuneConfig, GRPOConfig
     from tasks.finetune import finetune
@@ -256,29 +297,34 @@ def test_oversampling_trains_on_the_groups_whose_rewards_differ(arithmetic_base,
 
     monkeypatch.setitem(CHECKERS, "plus_parity", Checker("plus_parity", _plus_parity, lambda p: True, "test"))
     trained: list[int] = []  # per step: groups of the batch whose advantages are not all zero
+    rows: list[int] = []  # per step: completions in the batch
     original = grpo.rollout_batch
 
     def spy(prompts, completions, advantages, **kw):
         trained.append(int((np.abs(np.asarray(advantages).reshape(-1, 8)).max(-1) > 0).sum()))
+        rows.append(len(prompts))
         return original(prompts, completions, advantages, **kw)
 
     monkeypatch.setattr(grpo, "rollout_batch", spy)
     base, data = arithmetic_base
     runs = {}
-    for over in (1.0, 3.0):
+    for over, filt in ((1.0, False), (3.0, False), (1.0, True)):
         cfg = FinetuneConfig(method="grpo", mode="full",
                              grpo=GRPOConfig(checker="plus_parity", group_size=8, max_new_tokens=4, eval_every=100,
-                                             eval_prompts=8, eval_batch_size=8, oversample=over),
+                                             eval_prompts=8, eval_batch_size=8, oversample=over,
+                                             filter_groups=filt),
                              train=TrainConfig(steps=6, batch_size=32, learning_rate=1e-2, warmup_steps=2))
-        trained.clear()
-        out = finetune(cfg, base, data, tmp_path / f"out{over}")
+        trained.clear(), rows.clear()
+        out = finetune(cfg, base, data, tmp_path / f"out{over}{filt}")
         sampled = [round(f * 4 * over) for _, f in out["curves"]["informative_groups"]]  # of 4 x `over` groups
-        runs[over] = (list(trained), sampled)
-    print("trained / informative among sampled:", runs)
-    plain, over = runs[1.0], runs[3.0]
-    assert plain[0] == plain[1]  # every informative group of the 4 sampled is trained on, no more
+        runs[over, filt] = (list(trained), sampled, list(rows))
+    print("trained / informative among sampled / rows:", runs)
+    plain, over, filtered = runs[1.0, False], runs[3.0, False], runs[1.0, True]
+    assert plain[0] == plain[1] and plain[2] == [32] * 6  # every informative group of the 4 sampled, no more
     assert over[0] == [min(4, n) for n in over[1]]  # of the 12 sampled, as many informative ones as fit
     assert sum(over[0]) > sum(plain[0])
+    assert filtered[0] == filtered[1] and filtered[2] == [8 * n for n in filtered[1]]  # those, and only those
+    assert 0 < sum(filtered[1]) < 24
 
 
 def test_sft_then_grpo_starts_from_the_sft_model(arithmetic_base, tmp_path, monkeypatch):

@@ -95,6 +95,29 @@ def test_remat_with_lora_changes_nothing_but_memory():
     _adam_close(remat[1], plain[1], BASE["learning_rate"], 3)
 
 
+@pytest.mark.parametrize("mode", ["lora", "full"])
+def test_a_snapshot_stays_where_training_started(mode):
+    """`Trainer.snapshot()` (GRPO's KL reference): the model as it stood, unmoved by later steps, which donate the
+    trainable buffers. In LoRA mode it is the base with its adapters off (B starts at zero) and holds the
+    trainer's own frozen arrays, not a second copy of the base."""
+    base = llama.Llama(llama.LlamaConfig.tiny(), rngs=nnx.Rngs(0))
+    ids = jnp.asarray(_batch(5)["input_ids"])
+    want = np.asarray(base(ids))
+    model = lora.apply_lora(base, rank=4, alpha=8.0, rngs=nnx.Rngs(1)) if mode == "lora" else base
+    trainer = _trainer(TrainConfig(**BASE), model, nnx.LoRAParam if mode == "lora" else nnx.Param)
+    reference = trainer.snapshot()
+    for i in range(3):
+        trainer.step(_batch(i))
+    np.testing.assert_allclose(np.asarray(reference(ids)), want, rtol=1e-5, atol=1e-5)
+    assert np.abs(np.asarray(trainer.model()(ids)) - want).max() > 1e-3  # the trainer did move
+    shared = {id(x) for x in jax.tree.leaves(trainer.frozen)}
+    held = [x for x in jax.tree.leaves(nnx.state(reference)) if isinstance(x, jax.Array)]
+    if mode == "lora":
+        assert len(shared) > 0 and shared <= {id(x) for x in held}  # the base's weights, not copies of them
+    else:
+        assert not shared
+
+
 def test_bf16_compute_keeps_fp32_master_weights():
     cfg = TrainConfig(**BASE, compute_dtype="bfloat16")
     trainer = _trainer(cfg)
