@@ -8,15 +8,16 @@
 Target (the GRPO issue): rollout throughput (tokens/s) >= 0.9x our plain `generate` on the same model.
 
 (a) GRPO rollout: the part of a `fit_grpo` step (tasks/training/grpo.py) that produces completions, exactly
-    the region fit_grpo times for its own `rollout_tokens_per_s`: `sample(trainer.model(), prompts, ...)` on the
-    group-repeated prompts (batch_size / group_size prompts picked as fit_grpo picks them, group_size copies
-    each), at the sampling temperature / top_p, with the step's PRNGKey built inside the region as fit_grpo
-    does. That includes the per-step `trainer.model()` merge, the host-side right-padding to the one
-    compiled prompt length, the host->device transfer, `models.generate`, the device->host transfer and
-    the trimming of each completion to its length.
-(b) peer: `models.generate` called directly on the same model (`trainer.model()` taken once) with the same
-    right-padded batch already on the device, the same max_new_tokens, temperature, top_p, rng, eos and pad,
-    and `jax.block_until_ready` on its outputs: the fastest way a user calls our engine.
+    the region fit_grpo times for its own `rollout_tokens_per_s`: `sample(trainer.model(), prompts, ...,
+    num_samples=group_size)` (batch_size / group_size prompts picked as fit_grpo picks them, each prefilled
+    once and sampled group_size times), at the sampling temperature / top_p, with the step's PRNGKey built
+    inside the region as fit_grpo does. That includes the per-step `trainer.model()` merge, the host-side
+    right-padding to the one compiled prompt length, the host->device transfer, `models.generate`, the
+    device->host transfer and the trimming of each completion to its length.
+(b) peer: `models.generate` called directly on the same model (`trainer.model()` taken once) on the
+    group-repeated prompts (group_size copies of each, one row per completion: how a user without `num_samples`
+    calls it), right-padded and already on the device, the same max_new_tokens, temperature, top_p, rng, eos
+    and pad, and `jax.block_until_ready` on its outputs: the fastest way a user calls our engine.
 
 Both paths count tokens the same way: generated tokens actually produced, up to and including each row's
 eos (`GenerateOutput.lengths`); the padded slots (B x max_new_tokens) are printed next to them. Both are
@@ -173,14 +174,11 @@ def run(model: nnx.Module, prompts: grpo.PromptSet, *, batch_size: int = 16, gro
         raise ValueError(f"batch_size {batch_size} is not a multiple of group_size {group_size}")
     if repeats < 1:
         raise ValueError("repeats must be >= 1")
-    reference = None
-    if beta > 0:  # a copy: the Trainer adopts the model (finetune loads the base again for it)
-        graphdef, state = nnx.split(model)
-        reference = nnx.merge(graphdef, jax.tree.map(jnp.copy, state))
     tc = TrainConfig(steps=repeats + 1, batch_size=batch_size, compute_dtype=compute_dtype, seed=seed)
     objective = grpo.grpo_objective(clip_eps=0.2, beta=beta, loss_agg="sequence", temperature=temperature,
                                     width=max_new_tokens)
     trainer = Trainer(model, tc, loss_fn=objective, count_fn=grpo.grpo_count("sequence"))
+    reference = trainer.snapshot() if beta > 0 else None  # finetune's
     G, P = group_size, batch_size // group_size
     prompt_len = max(len(p) for p in prompts.ids)  # fit_grpo: over the train and held-out prompts
     seq_len = prompt_len + max_new_tokens
@@ -201,8 +199,9 @@ def run(model: nnx.Module, prompts: grpo.PromptSet, *, batch_size: int = 16, gro
 
     def rollout(step: int, group: list[np.ndarray]) -> tuple[float, list[np.ndarray]]:
         t = time.perf_counter()  # fit_grpo's timed region, verbatim
-        completions = grpo.sample(trainer.model(), group, **opts, rng=jax.random.PRNGKey(step_key(step)), eos=eos,
-                                  pad=pad, prompt_len=grpo.length_bucket(max(len(p) for p in group), prompt_len))
+        completions = grpo.sample(trainer.model(), group[::G], **opts, rng=jax.random.PRNGKey(step_key(step)),
+                                  eos=eos, pad=pad, prompt_len=grpo.length_bucket(max(len(p) for p in group),
+                                                                                  prompt_len), num_samples=G)
         return time.perf_counter() - t, completions
 
     def padded(group: list[np.ndarray]) -> tuple[jax.Array, jax.Array]:  # the same shape as the rollout's

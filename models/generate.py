@@ -152,6 +152,7 @@ def generate(
     eos_token_id: int | Sequence[int] | None = None,
     pad_token_id: int | None = None,
     return_hidden: tuple[int, ...] = (),
+    num_samples: int = 1,
 ) -> GenerateOutput:
     """Generate up to `max_new_tokens` per row of `prompt_ids` [B, T].
 
@@ -162,9 +163,16 @@ def generate(
     config's pad id, else 0). `return_hidden` (see the model's call) adds the hidden states at
     those indices for every token of concat(prompt_ids, tokens): [B, T + M, D] each, zeros after a
     row has stopped.
+
+    `num_samples` n > 1 (vLLM's `n`): n completions per prompt, rows [B·n] with prompt b's at b·n .. b·n+n-1,
+    each prompt prefilled once and its KV cache repeated for its n samples (GRPO's groups: the prefill costs
+    1/n of repeating the prompts, the tokens are those of generating from the repeated prompts with the same
+    rng). Not with `return_hidden`.
     """
     prompt_ids = jnp.asarray(prompt_ids, jnp.int32)
     B, T = prompt_ids.shape
+    if num_samples < 1 or (num_samples > 1 and return_hidden):
+        raise ValueError(f"num_samples must be >= 1 (and 1 with return_hidden), got {num_samples}")
     if padding_side not in ("left", "right"):
         raise ValueError(f"padding_side must be 'left' or 'right', got {padding_side!r}")
     if max_new_tokens < 1:
@@ -181,17 +189,18 @@ def generate(
         graphdef, state, prompt_ids, lengths, rng, jnp.float32(temperature if not greedy else 1.0),
         jnp.float32(top_p), _eos_array(eos_token_id), jnp.int32(pad_token_id),
         max_new_tokens=max_new_tokens, padding_side=padding_side, greedy=greedy,
-        use_top_p=not greedy and float(top_p) < 1.0, return_hidden=tuple(return_hidden),
+        use_top_p=not greedy and float(top_p) < 1.0, return_hidden=tuple(return_hidden), num_samples=num_samples,
     )
     return GenerateOutput(tokens=tokens, lengths=out_lengths, hidden=hidden if return_hidden else None)
 
 
 @functools.partial(
     jax.jit,
-    static_argnames=("graphdef", "max_new_tokens", "padding_side", "greedy", "use_top_p", "return_hidden"),
+    static_argnames=("graphdef", "max_new_tokens", "padding_side", "greedy", "use_top_p", "return_hidden",
+                     "num_samples"),
 )
 def _generate_jit(graphdef, state, prompt_ids, prompt_lengths, rng, temperature, top_p, eos_ids, pad_id, *,
-                  max_new_tokens, padding_side, greedy, use_top_p, return_hidden):
+                  max_new_tokens, padding_side, greedy, use_top_p, return_hidden, num_samples=1):
     model = nnx.merge(graphdef, state)
     B, T = prompt_ids.shape
     M = max_new_tokens
@@ -219,8 +228,14 @@ def _generate_jit(graphdef, state, prompt_ids, prompt_lengths, rng, temperature,
     cache, final = out[1], out[2][-1]  # final normed hidden [B, T, D]
     if padding_side == "right":
         cache = cache.rollback(prompt_lengths)  # decode overwrites the right padding
+    final = final[jnp.arange(B), last]  # [B, D]: the last prompt position's
+    if num_samples > 1:  # each prompt's cache, length and last hidden repeated for its samples: [B] -> [B·n]
+        rep = functools.partial(jnp.repeat, repeats=num_samples, axis=0)
+        cache = KVCache(k=jnp.repeat(cache.k, num_samples, axis=1), v=jnp.repeat(cache.v, num_samples, axis=1),
+                        valid=rep(cache.valid), length=rep(cache.length))  # k, v: [L, B·n, ...]
+        final, prompt_lengths, B = rep(final), rep(prompt_lengths), B * num_samples
     rng, key = jax.random.split(rng)
-    first = sample(model.lm_logits(final[jnp.arange(B), last]), key)  # [B]
+    first = sample(model.lm_logits(final), key)  # [B]
     done = is_eos(first)
     tokens = jnp.full((B, M + 1), pad_id, jnp.int32).at[:, 0].set(first)  # one spare column
     D = model.config.hidden_size

@@ -217,16 +217,17 @@ def _padded(seqs: list[np.ndarray], pad: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def sample(model: nnx.Module, prompts: list[np.ndarray], *, max_new_tokens: int, temperature: float, top_p: float,
-           rng: jax.Array, eos: int, pad: int, prompt_len: int) -> list[np.ndarray]:
-    """One completion per prompt (right-padded to `prompt_len`, one compiled shape), through the jitted
-    sampling engine every stage decodes with (models/generate.py); each completion up to and with its eos."""
+           rng: jax.Array, eos: int, pad: int, prompt_len: int, num_samples: int = 1) -> list[np.ndarray]:
+    """`num_samples` completions per prompt, prompt i's at i·n .. i·n+n-1 (right-padded to `prompt_len`, one
+    compiled shape), through the jitted sampling engine every stage decodes with (models/generate.py; a group's
+    prompt is prefilled once); each completion up to and with its eos."""
     ids, lengths = _padded([p[-prompt_len:] for p in prompts], pad)
     ids = np.pad(ids, ((0, 0), (0, prompt_len - ids.shape[1])), constant_values=pad)
     out = generate(model, jnp.asarray(ids), prompt_lengths=jnp.asarray(lengths), padding_side="right",
                    max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, rng=rng,
-                   eos_token_id=eos, pad_token_id=pad)
+                   eos_token_id=eos, pad_token_id=pad, num_samples=num_samples)
     tokens, n = np.asarray(out.tokens), np.asarray(out.lengths)
-    return [tokens[i, : n[i]] for i in range(len(prompts))]
+    return [tokens[i, : n[i]] for i in range(len(prompts) * num_samples)]
 
 
 def length_bucket(n: int, cap: int, step: int = 32) -> int:
@@ -358,10 +359,11 @@ def fit_grpo(trainer: Any, reference: nnx.Module | None, cfg: Any, train: Prompt
                 prompts = [train.ids[i] for i in picks for _ in range(G)]
                 texts = [train.text[i] for i in picks for _ in range(G)]
                 tr = time.perf_counter()
-                completions = sample(trainer.model(), prompts, max_new_tokens=cfg.max_new_tokens,
+                completions = sample(trainer.model(), prompts[::G], max_new_tokens=cfg.max_new_tokens,
                                      temperature=cfg.temperature, top_p=cfg.top_p,
                                      rng=jax.random.PRNGKey(tc.seed * 1_000_003 + r), eos=eos, pad=pad,
-                                     prompt_len=length_bucket(max(len(p) for p in prompts), prompt_len))
+                                     prompt_len=length_bucket(max(len(p) for p in prompts), prompt_len),
+                                     num_samples=G)
                 rollout_s += time.perf_counter() - tr
                 lengths = [len(c) for c in completions]  # of every sampled completion, kept or not
                 rollout_tokens += int(sum(lengths))

@@ -54,6 +54,39 @@ def test_padded_rows_equal_unpadded(target, side):
     np.testing.assert_array_equal(np.asarray(out.tokens[1]), naive_greedy(target, long, 5)[0])
 
 
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_n_samples_per_prompt_equal_generating_from_the_repeated_prompts(target, side):
+    """`num_samples` n (vLLM's `n`; GRPO's groups): each prompt prefilled once, its cache repeated for its n
+    rows, gives the tokens of generating from every prompt repeated n times with the same rng, sampled and greedy,
+    on padded prompts of different lengths, with rows stopping at eos; the samples of a prompt differ."""
+    rng = np.random.default_rng(4)
+    lengths = np.asarray([3, 6, 4], np.int32)
+    ids = np.zeros((3, 6), np.int32)
+    for i, m in enumerate(lengths):
+        row = rng.integers(1, V, m)
+        if side == "left":
+            ids[i, 6 - m :] = row
+        else:
+            ids[i, :m] = row
+    n = 4
+    opts = dict(max_new_tokens=7, padding_side=side, eos_token_id=5, pad_token_id=0, rng=jax.random.PRNGKey(2))
+    for temperature in (1.3, 0.0):
+        grouped = generate(target, jnp.asarray(ids), prompt_lengths=jnp.asarray(lengths), num_samples=n,
+                           temperature=temperature, **opts)
+        repeated = generate(target, jnp.asarray(np.repeat(ids, n, 0)), prompt_lengths=jnp.asarray(
+            np.repeat(lengths, n)), temperature=temperature, **opts)
+        np.testing.assert_array_equal(np.asarray(grouped.tokens), np.asarray(repeated.tokens))
+        np.testing.assert_array_equal(np.asarray(grouped.lengths), np.asarray(repeated.lengths))
+        assert grouped.tokens.shape == (12, 7)
+        stopped = np.asarray(grouped.lengths).min() < 7  # a row that met eos (greedy: prompt 1's rows)
+    assert stopped
+    sampled = np.asarray(generate(target, jnp.asarray(ids), prompt_lengths=jnp.asarray(lengths), num_samples=n,
+                                  temperature=1.3, **opts).tokens).reshape(3, n, 7)
+    assert all(len({tuple(r) for r in group}) > 1 for group in sampled)
+    with pytest.raises(ValueError, match="num_samples"):
+        generate(target, jnp.asarray(ids), max_new_tokens=2, num_samples=2, return_hidden=(0,))
+
+
 def test_eos_stops_row_and_pads(target):
     ids = np.random.default_rng(2).integers(0, V, (1, 4)).astype(np.int32)
     ref = naive_greedy(target, ids, 8)[0]
