@@ -303,8 +303,8 @@ def fit_grpo(trainer: Any, reference: nnx.Module | None, cfg: Any, train: Prompt
     rollout's number, so a resumed run repeats nothing), G completions each with the current policy, scores them
     with the checker (with `cfg.oversample` > 1, more prompts are sampled and the groups whose rewards differ
     are kept: `informative_groups`; with `cfg.filter_groups` only those are, `pad_rows`), turns the scores into
-    group-relative advantages, and takes `cfg.num_iterations` optimizer steps on the batch (`cfg`: tasks/configs.py GRPOConfig; after the first,
-    against the rollout's own log-probabilities). The reference's log-probabilities enter the KL term; with β = 0
+    group-relative advantages, and takes `cfg.num_iterations` optimizer steps on the batch (`cfg`:
+    tasks/configs.py GRPOConfig; after the first, against the rollout's own log-probabilities). The reference's log-probabilities enter the KL term; with β = 0
     they are only watched: KL(π ‖ π_ref) on the rollout of each evaluated step (None: no reference, no KL).
     Held-out pass@1 at temperature 0 and at the sampling temperature is measured before training, every
     `eval_every` steps and at the end. Returns the curves (reward, informative groups, KL, clip fraction,
