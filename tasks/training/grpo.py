@@ -301,14 +301,14 @@ def fit_grpo(trainer: Any, reference: nnx.Module | None, cfg: Any, train: Prompt
              label: str = "grpo") -> dict[str, Any]:
     """GRPO for `trainer.cfg.steps` steps: each rollout samples `prompts_per_step` train prompts (fixed by the
     rollout's number, so a resumed run repeats nothing), G completions each with the current policy, scores them
-    with the checker (with `cfg.oversample` > 1, more prompts are sampled and the groups whose rewards differ
-    are kept: `informative_groups`; with `cfg.filter_groups` only those are, `pad_rows`), turns the scores into
-    group-relative advantages, and takes `cfg.num_iterations` optimizer steps on the batch (`cfg`:
-    tasks/configs.py GRPOConfig; after the first, against the rollout's own log-probabilities). The reference's log-probabilities enter the KL term; with β = 0
-    they are only watched: KL(π ‖ π_ref) on the rollout of each evaluated step (None: no reference, no KL).
-    Held-out pass@1 at temperature 0 and at the sampling temperature is measured before training, every
-    `eval_every` steps and at the end. Returns the curves (reward, informative groups, KL, clip fraction,
-    completion length, held-out accuracy per measured step) and the before/after accuracies."""
+    with the checker (with `cfg.oversample` > 1, more prompts are sampled and the groups whose rewards differ are
+    kept: `informative_groups`; with `cfg.filter_groups` only those are, `pad_rows`), turns the scores into
+    group-relative advantages, and takes `cfg.num_iterations` optimizer steps on the batch (`cfg`: tasks/configs.py
+    GRPOConfig; after the first, against the rollout's own log-probabilities). The reference's log-probabilities
+    enter the KL term; with β = 0 they are only watched: KL(π ‖ π_ref) on the rollout of each evaluated step (None:
+    no reference, no KL). Held-out pass@1 at temperature 0 and at the sampling temperature is measured before
+    training, every `eval_every` steps and at the end. Returns the curves (reward, informative groups, KL, clip
+    fraction, completion length, held-out accuracy per measured step) and the before/after accuracies."""
     tc = trainer.cfg
     G, P = cfg.group_size, tc.batch_size // cfg.group_size
     prompt_len = max(len(p) for p in train.ids + heldout.ids)
