@@ -272,7 +272,7 @@ def run(model: nnx.Module, prompts: grpo.PromptSet, *, batch_size: int = 16, gro
     group = step_prompts(1)
 
     def pad_put() -> Any:  # sample's padding and transfer
-        ids, lengths = grpo._padded([p[-prompt_len:] for p in group], pad)
+        ids, lengths = grpo._padded([p[-prompt_len:] for p in group[::G]], pad)
         ids = np.pad(ids, ((0, 0), (0, prompt_len - ids.shape[1])), constant_values=pad)
         return jax.block_until_ready((jnp.asarray(ids), jnp.asarray(lengths)))
 
