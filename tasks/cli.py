@@ -36,7 +36,9 @@ def configure_jax(compilation_cache: bool = True) -> None:
     ~/.cache/forgeline/jax), so a rerun after a crash, a retry and every later stage process reuse compiled
     programs instead of compiling again. JAX keys the entries on the program, the backend and the compiler
     options, so a cached program is the program that would have been compiled. `JAX_COMPILATION_CACHE_DIR`
-    overrides the folder; an empty value, or `compilation_cache=False`, disables it in this process."""
+    overrides the folder; an empty value, or `compilation_cache=False`, disables it in this process. Programs
+    that compile in under 0.2 s are not written, unless `JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS` says
+    otherwise."""
     global _jax_configured
     if _jax_configured:
         return
@@ -51,7 +53,9 @@ def configure_jax(compilation_cache: bool = True) -> None:
         return
     if jax.config.jax_compilation_cache_dir is None or jax.config.jax_compilation_cache_dir == folder:
         jax.config.update("jax_compilation_cache_dir", folder)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+        min_seconds = os.environ.get("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS")  # JAX's own variable, if set
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2 if min_seconds is None else
+                          float(min_seconds))
 
 
 def _first_line(e: BaseException) -> str:

@@ -19,6 +19,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 pytest_plugins = ["tests.crash_rerun"]  # a test whose xdist worker dies runs once more in a fresh one
+TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"  # the test run's compile level (below)
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
@@ -28,28 +29,45 @@ os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
 os.environ["FORGELINE_WORKDIR"] = tempfile.mkdtemp(prefix="forgeline-work-")
 atexit.register(shutil.rmtree, os.environ["FORGELINE_WORKDIR"], ignore_errors=True)
 
-# JAX's persistent compilation cache: the command-line processes the tests start (stages, releases, the local
-# stack's workers) use it as the forgeline commands do, one folder per pytest-xdist worker. The pytest processes
-# themselves run without it (it saved nothing measurable in a full run): a worker died inside XLA's
-# (de)serialization of a CPU executable twice, and once more without the cache (CI at c444c14). The cause was
-# the worker's count of memory mappings (`_drop_compiled_programs` below), not the cache.
-from tasks.cli import cache_root, configure_jax  # noqa: E402
+# Compiled programs, shared by every process of this test run. About half of a unit test's time is XLA compiling
+# small programs, and the same programs come back: each test module drops its programs when it ends (below), the
+# two pytest-xdist workers build the same models, and the command-line processes the tests start (stages,
+# releases, the local stack's workers, 8-device children) compile what an earlier process already did. One JAX
+# persistent compilation cache per run, created empty by the first pytest process (the controller, or a run
+# without xdist) and inherited by everything it starts, turns each repeat into a read: a run starts as cold as a
+# new machine and leaves nothing behind. Every program is cached (no minimum compile time), and the cache's
+# size limit turns on JAX's file lock, so processes writing the same entry at once never read a torn file.
+# A compilation cache folder the user exported (`JAX_COMPILATION_CACHE_DIR`) is used as it is.
+from tasks.cli import configure_jax  # noqa: E402
 
-# (A worker inherits the controller's `jax-main` with its environment: that one is replaced, a folder the
-# user chose is kept.)
-if os.environ.get("JAX_COMPILATION_CACHE_DIR") in (None, str(cache_root() / "jax-main")):
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = str(cache_root() / f"jax-{worker}")
-configure_jax(compilation_cache=False)
+if "FORGELINE_TEST_RUN" not in os.environ:  # the run's first process; its workers and children inherit all this
+    os.environ["FORGELINE_TEST_RUN"] = tempfile.mkdtemp(prefix="forgeline-run-")
+    atexit.register(shutil.rmtree, os.environ["FORGELINE_TEST_RUN"], ignore_errors=True)
+    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(os.environ["FORGELINE_TEST_RUN"], "jax"))
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(16 << 30))
+    # XLA compiles at LLVM -O0 in the test run: a third less compile time, for programs whose run time is a few
+    # milliseconds; IEEE semantics are the same at every level (XLA's CPU backend never enables fast math), so
+    # every tolerance still holds. `users_xla_flags` gives it back to the one test that measures the README's
+    # release as users run it (tests/integration/test_default_release.py).
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {TEST_XLA_FLAGS}".strip()
+configure_jax()
+
+
+def users_xla_flags(env: dict[str, str]) -> dict[str, str]:
+    """`env` with XLA_FLAGS as the user's (without the test run's compile level)."""
+    flags = [f for f in env.get("XLA_FLAGS", "").split() if f not in TEST_XLA_FLAGS.split()]
+    return {**{k: v for k, v in env.items() if k != "XLA_FLAGS"}, **({"XLA_FLAGS": " ".join(flags)} if flags else {})}
 
 
 # XLA:CPU maps each compiled program's code into the process (three memory mappings each) and keeps it while
 # JAX's caches hold the program, which for a module-level `jax.jit` is for the life of the process. A pytest
 # worker that kept every program of a full run held 56,980 mappings at its peak here (c444c14), near the
 # kernel's `vm.max_map_count` (65,530), and crosses it under another file-to-worker schedule: the next mmap
-# then fails inside XLA and the worker dies in whatever test is compiling or serializing a program -- the
-# crashes described above. With this fixture the peak was 18,753. Each test module's programs are
-# dropped when the module ends (`jax.clear_caches()`); a later module that needs one compiles it again.
+# then fails inside XLA and the worker dies in whatever test is compiling or (de)serializing a program (three
+# such crashes in earlier full runs). With this fixture the peak was 18,753. Each test module's programs are
+# dropped when the module ends (`jax.clear_caches()`); a later module that needs one reads it back from the
+# run's compilation cache (above).
 @pytest.fixture(autouse=True, scope="module")
 def _drop_compiled_programs():
     yield
@@ -163,11 +181,29 @@ def measured(request):
     return lambda line: request.node.user_properties.append(("measured", line))
 
 
+# Where the run's time went: each test's setup + call + teardown, summed per test and per file, printed at the end
+# of every run (a report, not a check: timings on a loaded machine are not pass/fail).
+_SECONDS: dict[str, float] = {}
+SHOWN = 15
+
+
 def pytest_terminal_summary(terminalreporter):
     if _MEASURED:
         terminalreporter.section("measured")
         for line in _MEASURED:
             terminalreporter.write_line(line)
+    if _SECONDS:
+        files: dict[str, float] = {}
+        for nodeid, seconds in _SECONDS.items():
+            files[nodeid.split("::", 1)[0]] = files.get(nodeid.split("::", 1)[0], 0.0) + seconds
+        terminalreporter.section("where the time went (setup + call + teardown, summed over the workers)")
+        terminalreporter.write_line(f"{sum(_SECONDS.values()):8.1f} s in {len(_SECONDS)} tests of {len(files)} files")
+        terminalreporter.write_line(f"slowest files (of {len(files)}):")
+        for name, seconds in sorted(files.items(), key=lambda kv: -kv[1])[:SHOWN]:
+            terminalreporter.write_line(f"{seconds:8.1f} s  {name}")
+        terminalreporter.write_line(f"slowest tests (of {len(_SECONDS)}):")
+        for nodeid, seconds in sorted(_SECONDS.items(), key=lambda kv: -kv[1])[:SHOWN]:
+            terminalreporter.write_line(f"{seconds:8.1f} s  {nodeid}")
 
 
 # No test is skipped silently: every tier runs every test it collects, so a skip (a missing dependency,
@@ -176,6 +212,7 @@ _SKIPPED: list[str] = []
 
 
 def pytest_runtest_logreport(report):
+    _SECONDS[report.nodeid] = _SECONDS.get(report.nodeid, 0.0) + report.duration
     if report.when == "teardown":
         _MEASURED.extend(v for k, v in report.user_properties if k == "measured")
     if report.skipped and not hasattr(report, "wasxfail"):
@@ -186,3 +223,42 @@ def pytest_sessionfinish(session, exitstatus):
     if _SKIPPED and session.exitstatus == 0:
         print(f"\nerror: {len(_SKIPPED)} test(s) skipped, and no tier may skip one: " + ", ".join(_SKIPPED[:5]))
         session.exitstatus = 1
+
+
+# -- scheduling -------------------------------------------------------------------------------------------------
+# pytest-xdist hands each worker whole files (`--dist loadfile`, module fixtures build once) in collection order,
+# two files each to start with. The longest files go first, so that one worker takes the longest while the other
+# takes the rest, instead of the longest starting last and running alone (measured durations of a full run, longest
+# first). Files that share a session fixture too costly to build twice run on one worker: the smoke release of
+# `released` (test_release_flow reads it, test_faults compares its bundles' digests with it) is built once.
+LONGEST_FIRST = [
+    "tests/integration/test_default_release.py",  # the README's release, then its cached rerun
+    "tests/integration/test_faults.py",  # with test_release_flow.py: the `released` smoke release
+    "tests/integration/test_release_flow.py",
+    "tests/integration/test_workers.py",  # the local stack and a release on its workers
+    "tests/integration/test_moe_release.py",
+    "tests/unit/test_plan.py",
+    "tests/integration/test_bad_input.py",
+]
+SAME_WORKER = {"tests/integration/test_faults.py": "released", "tests/integration/test_release_flow.py": "released"}
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))  # stable: the rest keep order
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_xdist_make_scheduler(config, log):
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class Scheduling(LoadFileScheduling):
+        """Whole files per worker, the files of a SAME_WORKER group as one unit."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            path = super()._split_scope(nodeid)
+            return SAME_WORKER.get(path, path)
+
+    return Scheduling(config, log)

@@ -13,6 +13,7 @@ import pytest
 
 import storage
 from tasks.evaluate import load_report
+from tests.conftest import users_xla_flags
 
 # the release takes 15 minutes alone on a slow 2-core machine and 30 next to the other xdist worker (measured at
 # afc758b: base 587 s, finetune 243 s, draft 715 s), then a second (cached) run: bounds well past both
@@ -20,7 +21,9 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(360
 
 
 def _release(store: str, tmp_path) -> tuple[subprocess.CompletedProcess, float]:
-    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "FORGELINE_WORKDIR": str(tmp_path / "work")}
+    # compiled at XLA's default level, as users run it (the rest of the test run compiles at -O0: tests/conftest.py)
+    env = {**users_xla_flags(dict(os.environ)), "PREFECT_HOME": str(tmp_path / "prefect"),
+           "FORGELINE_WORKDIR": str(tmp_path / "work")}
     t = time.perf_counter()
     done = subprocess.run([sys.executable, "-m", "flows.cli", "release", "--store", store], env=env,
                           capture_output=True, text=True, timeout=2700)

@@ -21,6 +21,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.devices import cpu_devices_env
+
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[2]
 
@@ -137,10 +139,10 @@ ONE_PROCESS = "import json, os, sys\n" + CHECK + textwrap.dedent("""
 """)
 
 
-def _run(code: str, *args: str, env: dict[str, str] | None = None, timeout: float = 900) -> dict:
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", **(env or {})}
-    proc = subprocess.run([sys.executable, "-c", code, *args], cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+def _run(code: str, *args: str, devices: int | None = None, timeout: float = 900) -> dict:
+    """Run `code` in a child process on `devices` fake CPU devices (None: one); the JSON its last line prints."""
+    proc = subprocess.run([sys.executable, "-c", code, *args], cwd=REPO, env=cpu_devices_env(devices),
+                          capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -148,7 +150,7 @@ def _run(code: str, *args: str, env: dict[str, str] | None = None, timeout: floa
 def test_a_multi_gb_moe_checkpoint_streams_onto_8_devices_within_its_own_size(big_checkpoint, measured):
     folder, size = big_checkpoint
     assert size > 2e9
-    out = _run(ONE_PROCESS, str(folder), str(size), env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
+    out = _run(ONE_PROCESS, str(folder), str(size), devices=8)
     ratio = out["peak_over_baseline"] / size
     assert out["bytes_read"] == size  # every byte once: the headers and each tensor's slices
     assert ratio < 1.3, out
@@ -219,7 +221,7 @@ def test_from_the_s3_server_without_a_local_copy(tmp_path, s3_env, measured):
     size = write_moe_checkpoint(folder, **{**BIG, "num_hidden_layers": 2})
     url = "s3://forgeline/test-loading/moe-2l"
     storage.upload_dir(folder, url)
-    out = _run(S3_LOAD, url, str(folder), str(size), env={"XLA_FLAGS": "--xla_force_host_platform_device_count=8"})
+    out = _run(S3_LOAD, url, str(folder), str(size), devices=8)
     # one ranged GET per span a slice lies in, reused by the other devices' slices inside it: one process
     # holding every device fetches each byte once
     assert out["bytes_read"] == size, out

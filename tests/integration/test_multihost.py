@@ -5,7 +5,6 @@ tolerance: same loss trajectory, same weights written (by process 0 only)."""
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -15,6 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import safetensors.numpy
+
+from tests.devices import cpu_devices_env
 
 pytestmark = pytest.mark.integration
 
@@ -34,8 +35,7 @@ def _cmd(base: Path, data: Path, out: Path) -> list[str]:
 
 
 def _env(devices: int, **extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_") and k != "XLA_FLAGS"}
-    return {**env, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": str(devices), "PYTHONPATH": REPO, **extra}
+    return cpu_devices_env(None, JAX_NUM_CPU_DEVICES=str(devices), **extra)
 
 
 def _stats(stdout: str) -> dict:

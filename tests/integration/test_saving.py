@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import sys
 import textwrap
 from pathlib import Path
 
 import numpy as np
 import pytest
+
+from tests.devices import cpu_devices_env
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[2]
@@ -114,12 +115,11 @@ def _save_in_two_processes(tmp_path: Path, kind: str, max_shard_bytes: int,
     script = tmp_path / "member.py"
     script.write_text(MEMBER)
     lines: dict[int, list[str]] = {0: [], 1: []}
-    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_") and k != "XLA_FLAGS"}
     run_gang([sys.executable, str(script), kind, str(folder), str(max_shard_bytes)], 2,
              on_line=lambda i, s: lines[i].append(s), cwd=REPO,
-             env={**env, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "4",
-                  # every large buffer its own mapping, unmapped when freed: RSS counts live memory only
-                  "MALLOC_MMAP_THRESHOLD_": "131072"}, timeout=300)
+             env=cpu_devices_env(None, JAX_NUM_CPU_DEVICES="4",
+                                 # every large buffer its own mapping, unmapped when freed: RSS counts live memory only
+                                 MALLOC_MMAP_THRESHOLD_="131072"), timeout=300)
     return folder, [json.loads(lines[i][-1]) for i in (0, 1)]
 
 

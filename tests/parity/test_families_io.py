@@ -24,6 +24,7 @@ from parity_helpers import build_from_config, hf_logits, rel_err, set_expert_imp
 
 from models import from_pretrained, jit_forward, save_pretrained
 from models.families import ARCHITECTURES
+from tests.devices import cpu_devices_env
 
 pytestmark = pytest.mark.parity
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -125,7 +126,7 @@ CHILD = textwrap.dedent("""
 @pytest.mark.slow
 def test_forward_on_8_fake_devices_equals_single_device(checkpoints):
     paths = {arch: path for arch, (_, path) in checkpoints.items()}
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "PYTHONPATH": REPO}
+    env = cpu_devices_env(8)
     proc = subprocess.run([sys.executable, "-c", CHILD, json.dumps(paths)], env=env, capture_output=True,
                           text=True, timeout=600, cwd=REPO)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -5,7 +5,6 @@ checkpoint's dtype, reading each byte of the checkpoint once -- for dense, per-e
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
@@ -15,6 +14,7 @@ import numpy as np
 import pytest
 
 from models import views
+from tests.devices import cpu_devices_env
 
 pytestmark = pytest.mark.unit
 REPO = Path(__file__).resolve().parents[2]
@@ -62,7 +62,7 @@ CHILD = textwrap.dedent("""
 
 
 def test_sharded_load_on_8_fake_devices_places_every_variable_by_its_rule():
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    env = cpu_devices_env(8)
     proc = subprocess.run([sys.executable, "-c", CHILD], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), (proc.stdout[-2000:], proc.stderr[-3000:])

@@ -12,6 +12,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from models.sharding import RULES, logical_to_spec
+from tests.devices import cpu_devices_env
 
 pytestmark = pytest.mark.unit
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -58,7 +59,7 @@ def test_rule_table_maps_logical_names():
 
 
 def test_shard_model_on_8_fake_devices():
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    env = cpu_devices_env(8)
     proc = subprocess.run([sys.executable, "-c", CHILD], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), proc.stderr[-3000:]
@@ -116,7 +117,7 @@ def test_expert_parallel_dispatch_equals_one_device():
     """Experts under shard_map (each device its own experts, tokens gathered over the expert axis and results
     reduce-scattered back) give the single-device loss and gradients: LoRA'd Qwen3-MoE experts and GPT-OSS's
     biased experts, on fsdp x expert, data x expert x tensor and expert-only meshes of 8 fake devices."""
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    env = cpu_devices_env(8)
     proc = subprocess.run([sys.executable, "-c", EXPERT_PARALLEL], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), proc.stderr[-3000:]

@@ -5,7 +5,6 @@ of 8 fake CPU devices giving the report and weights the unsharded run gives."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
@@ -19,6 +18,7 @@ from flax import nnx
 
 from models import deepseek_v3, quant, qwen3_moe
 from models.quant import calibration
+from tests.devices import cpu_devices_env
 
 pytestmark = pytest.mark.unit
 jax.config.update("jax_default_matmul_precision", "highest")
@@ -319,7 +319,7 @@ SHARDED = textwrap.dedent("""
 def test_quantizing_a_sharded_moe_matches_unsharded():
     """A tiny Qwen3-MoE sharded over (fsdp 2, tensor 2, expert 2) on 8 fake CPU devices (a child process:
     the device count is fixed when jax initialises) gets the unsharded run's statistics, report and codes."""
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
+    env = cpu_devices_env(8)
     proc = subprocess.run([sys.executable, "-c", SHARDED], cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), proc.stdout[-2000:] + proc.stderr[-3000:]
