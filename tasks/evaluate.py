@@ -40,7 +40,7 @@ import math
 import sys
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -392,6 +392,16 @@ class Task:
     split: str  # "valid" (held out), or "train" when the checker judges no held-out prompt
     prompts: PromptSet
     references: list[str]  # the data's own answers: their score is the task's ceiling
+    scored: dict[tuple[str, str], float] = field(default_factory=dict)  # (prompt, completion) -> the checker's score
+
+    def score(self, prompt: str, completion: str) -> float:
+        """The checker's score, each distinct (prompt, completion) judged once per evaluation: the fine-tuned
+        model and its quantized variants mostly answer alike, and the code checker runs each answer in a sandboxed
+        child process. A checker's reward depends on the pair alone (tasks/checkers/registry.py)."""
+        key = (prompt, completion)
+        if key not in self.scored:
+            self.scored[key] = self.checker.score(prompt, completion)
+        return self.scored[key]
 
 
 def task_sets(data_dir: Path, cfg: EvalConfig, decode: Callable[[list[int]], str], bos: int,
@@ -436,7 +446,7 @@ def task_accuracy(model: nnx.Module, tasks: dict[str, Task], cfg: EvalConfig, de
                   eos: int, pad: int) -> dict[str, dict[str, float]]:
     """pass@1 of `model` on each task at each of `task_temperatures`: one completion per prompt, through the
     jitted decoder (tasks/training/grpo.py `accuracy`), scored by the task's checker; {task: {"t0": acc}}."""
-    return {name: {f"t{t:g}": grpo.accuracy(model, task.prompts, task.checker.score, decode, temperature=t,
+    return {name: {f"t{t:g}": grpo.accuracy(model, task.prompts, task.score, decode, temperature=t,
                                             max_new_tokens=task_max_new_tokens(task, cfg), eos=eos, pad=pad,
                                             prompt_len=max(len(p) for p in task.prompts.ids),
                                             batch_size=cfg.task_batch_size, seed=cfg.seed)
@@ -450,7 +460,7 @@ def task_report(tasks: dict[str, Task], accuracy: dict[str, dict[str, dict[str, 
     ceiling) and every model's pass@1 ({model: {"t0": ..}})."""
     return {name: {"checker": name, "description": t.checker.description, "split": t.split,
                    "prompts": len(t.prompts), "max_new_tokens": task_max_new_tokens(t, cfg),
-                   "reference": float(np.mean(np.asarray(checkers.score_all(t.checker.score, t.prompts.text,
+                   "reference": float(np.mean(np.asarray(checkers.score_all(t.score, t.prompts.text,
                                                                              t.references)) >= 1.0)),
                    "accuracy": {m: acc[name] for m, acc in accuracy.items()}}
             for name, t in tasks.items()}
@@ -591,14 +601,10 @@ def evaluate(cfg: EvalConfig, *, base: Path | None, finetuned: Path, quantized: 
         report["rl"] = rl
     elif cfg.gates.min_rl_accuracy_gain > 0:
         raise ValueError("evaluate.gates.min_rl_accuracy_gain: the fine-tune is not an RL run (finetune.method: grpo)")
-    if base is not None:
-        report["perplexity"]["base"] = perplexity(models.from_pretrained(str(base)), batches)
-    report["perplexity"]["finetuned"] = perplexity(target, batches)
-    if base is not None and pm.count_pairs(data_dir, "valid"):
-        report["preference"] = preference_report(models.from_pretrained(str(base)), target, data_dir, cfg)
-    elif cfg.gates.min_preference_accuracy > 0:
-        raise ValueError(f"evaluate.gates.min_preference_accuracy: {data_dir} has no held-out preference pairs "
-                         "(and a base to compare with is needed)")
+    no_pairs = (f"evaluate.gates.min_preference_accuracy: {data_dir} has no held-out preference pairs (and a base "
+                "to compare with is needed)")
+    if base is None and cfg.gates.min_preference_accuracy > 0:
+        raise ValueError(no_pairs)
     if cfg.spec_target != "finetuned" and cfg.spec_target not in quantized:
         raise ValueError(f"evaluate: spec_target {cfg.spec_target!r} is not among the quantized variants "
                          f"{sorted(quantized)}")
@@ -613,9 +619,17 @@ def evaluate(cfg: EvalConfig, *, base: Path | None, finetuned: Path, quantized: 
         log.info("evaluate: task accuracy on %s", ", ".join(f"{n} ({len(t.prompts)} {t.split} prompts)"
                                                             for n, t in tasks.items()))
     accuracy = {}  # task accuracy per model: base, fine-tuned, each quantized variant
-    if tasks and base is not None:
-        accuracy["base"] = task_accuracy(models.from_pretrained(str(base)), tasks, cfg, decode, special["eos"],
-                                         special["pad"])
+    if base is not None:  # everything measured on the base, from one load of it
+        base_model = models.from_pretrained(str(base))
+        report["perplexity"]["base"] = perplexity(base_model, batches)
+        if pm.count_pairs(data_dir, "valid"):
+            report["preference"] = preference_report(base_model, target, data_dir, cfg)
+        elif cfg.gates.min_preference_accuracy > 0:
+            raise ValueError(no_pairs)
+        if tasks:
+            accuracy["base"] = task_accuracy(base_model, tasks, cfg, decode, special["eos"], special["pad"])
+        del base_model
+    report["perplexity"]["finetuned"] = perplexity(target, batches)
     if tasks:
         accuracy["finetuned"] = task_accuracy(target, tasks, cfg, decode, special["eos"], special["pad"])
     served = target

@@ -1,6 +1,7 @@
 """The checker registry: a checker is a plain function `(prompt text, completion text) -> reward in [0, 1]`,
 1.0 exactly when the completion is right (what pass@1 counts), anything below it partial credit (the reward
-GRPO trains on), registered under a name with a predicate saying which prompts it can judge. Rewards for RL
+GRPO trains on), registered under a name with a predicate saying which prompts it can judge. The reward depends
+on the pair alone (the same pair, the same reward), so evaluation judges each distinct pair once. Rewards for RL
 with verifiable rewards and task accuracy in evaluation both look checkers up here by name (as TRL's GRPO
 takes reward functions, and OpenAI's human-eval a `check_correctness`), so a new task is one module and one
 `@register`."""
