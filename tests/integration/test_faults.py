@@ -31,6 +31,11 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 STAGES = ["data_prep[base]", "base", "data_prep", "finetune", "quantize", "traces", "draft", "evaluate", "export"]
 KINDS = {"data_prep[base]": "data_prep", "base": "base", "data_prep": "data_prep", "finetune": "finetune",
          "quantize": "quantize", "traces": "traces", "draft": "draft", "evaluate": "evaluate", "export": "export"}
+MIDWAY = {  # a line each non-training stage logs part way through its work (the kill lands after it)
+    "quantize": r"quantize: \S+ in [\d.]+s",  # the first of the recipe's variants is done, the next one is not
+    "traces": r"traces: train-\d+: \d+ prompts ->",  # a shard committed (to resume from), the valid split not
+    "evaluate": r"evaluate: task accuracy on",  # perplexities measured, the task and speculative runs ahead
+}
 STAGE_LINE = re.compile(r"^(\S+)\s+(ran|skipped \(committed\))\s")
 
 
@@ -153,9 +158,9 @@ def test_sigkill_inside_each_stage_then_rerun(tmp_path, prefect_harness, referen
         elif kind in ("data_prep", "export"):  # die while the files go up, before the manifest
             run.wait_for(rf"forgeline\.storage {re.escape(kind)}: uploading")
             where = "during the upload"
-        else:
-            time.sleep(1.0)
-            where = "1 s into compute"
+        else:  # die mid-compute, at a line the stage logs part way (a fixed sleep outlasts a cached-compile stage)
+            run.wait_for(MIDWAY[kind])
+            where = f"at {MIDWAY[kind]!r}"
         run.signal(signal.SIGKILL)
         assert run.finish() == -signal.SIGKILL
         committed, partial = _visible_artifacts_are_whole(store)
