@@ -34,7 +34,10 @@ import mmap
 import os
 import re
 import tempfile
+import threading
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import IO, Any
 from urllib.parse import urlparse
 from urllib.request import url2pathname
@@ -169,7 +172,9 @@ class SafetensorsCheckpoint(Mapping):
         self.folder = folder
         self.local = _local_path(folder)
         self.bytes_read = 0
+        self._lock = threading.RLock()  # the counters, file descriptors and caches, for the loader's threads
         self._fds: dict[str, int] = {}
+        self._maps: dict[str, mmap.mmap] = {}  # one read-only map per file, for strided slices
         self._recent: tuple[str | None, dict[views.Index, np.ndarray]] = (None, {})
         self._spans: dict[str, list[tuple[int, int, bytes]]] = {}  # remote spans read for the current variable
         index_path = self._join(INDEX_FILE)
@@ -240,9 +245,10 @@ class SafetensorsCheckpoint(Mapping):
         return header
 
     def _fd(self, fn: str) -> int:
-        if fn not in self._fds:
-            self._fds[fn] = os.open(self._join(fn), os.O_RDONLY)
-        return self._fds[fn]
+        with self._lock:
+            if fn not in self._fds:
+                self._fds[fn] = os.open(self._join(fn), os.O_RDONLY)
+            return self._fds[fn]
 
     def clear_cache(self) -> None:
         """Forget the slices and spans kept for the variable just placed."""
@@ -250,6 +256,9 @@ class SafetensorsCheckpoint(Mapping):
 
     def close(self) -> None:
         self.clear_cache()
+        for mm in self._maps.values():
+            mm.close()
+        self._maps.clear()
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
@@ -279,80 +288,109 @@ class SafetensorsCheckpoint(Mapping):
         return views.Tensor(self, name, self.shape(name), NUMPY_DTYPES[self.dtype(name)])
 
     def read(self, name: str, index: views.Index | None = None) -> np.ndarray:
-        """`tensor[index]` (one (start, stop) per dimension; None: all of it), reading only its bytes."""
+        """`tensor[index]` (one (start, stop) per dimension; None: all of it), reading only its bytes. The last
+        variable's slices are kept (`clear_cache`): views whose devices ask for overlapping bytes (GPT-OSS's
+        interleaved gate/up pairs, FP8 scale tiles) read them once."""
+        if name not in self.file_of:
+            raise KeyError(name)
+        shape = self.shape(name)
+        index = views.whole(shape) if index is None else tuple(index)
+        with self._lock:  # one reader of the cache at a time: a slice is read once even from two threads
+            if self._recent[0] != name:  # the slices read of the tensor being placed, for devices that share one
+                self._recent = (name, {})
+            out = self._recent[1].get(index)
+            if out is None:
+                out = np.empty(views.extent(index), NUMPY_DTYPES[self.dtype(name)])
+                self.read_into(name, index, out)
+                out.flags.writeable = False  # shared with the next identical read
+                self._recent[1][index] = out
+        return out
+
+    def read_into(self, name: str, index: views.Index, out: np.ndarray) -> None:
+        """Write `tensor[index]` into `out` (its shape; any dtype and strides), reading only the slice's bytes.
+        Safe from several threads: the loader reads a variable's slices on a thread pool."""
         if name not in self.file_of:
             raise KeyError(name)
         fn = self.file_of[name]
         info = self.headers[fn][name]
         shape, dtype = tuple(info["shape"]), np.dtype(NUMPY_DTYPES[info["dtype"]])
-        index = views.whole(shape) if index is None else tuple(index)
-        if self._recent[0] != name:  # the slices read of the tensor being placed, for devices that share one
-            self._recent = (name, {})
-        out = self._recent[1].get(index)
-        if out is None:
-            out = self._read(fn, name, info, shape, dtype, index)
-            out.flags.writeable = False  # shared with the next identical read
-            self._recent[1][index] = out
-        return out
-
-    def _read(self, fn: str, name: str, info: dict[str, Any], shape: tuple[int, ...], dtype: np.dtype,
-              index: views.Index) -> np.ndarray:
-        out_shape = [b - a for a, b in index]
-        out = np.empty(out_shape, dtype)
         if out.size == 0:
-            return out
+            return
         base = self.data_start[fn] + info["data_offsets"][0]
-        path = self._join(fn)
-        try:
-            if self.local is not None:
-                self._read_local(fn, base, shape, index, out)
-            else:
-                self._read_remote(path, base, shape, index, out)
-        except OSError as e:
-            raise ValueError(f"{path}: cannot read tensor {name} ({type(e).__name__}: {e})") from None
-        return out
-
-    def _read_local(self, fn: str, base: int, shape: tuple[int, ...], index: views.Index, out: np.ndarray) -> None:
-        """Copy the slice out of a memory map of just the bytes it spans: the kernel pages in what the copy
-        touches, and unmapping at once keeps those pages out of this process's memory afterwards."""
-        itemsize = out.dtype.itemsize
+        itemsize = dtype.itemsize
         strides = [math.prod(shape[k + 1:]) * itemsize for k in range(len(shape))]
         lo = base + sum(a * st for (a, _), st in zip(index, strides, strict=True))
         hi = base + sum((b - 1) * st for (_, b), st in zip(index, strides, strict=True)) + itemsize
-        start = lo - lo % mmap.ALLOCATIONGRANULARITY
-        with mmap.mmap(self._fd(fn), hi - start, offset=start, access=mmap.ACCESS_READ) as mm:
-            region = np.ndarray(out.shape, out.dtype, buffer=mm, offset=lo - start, strides=strides)
-            out[...] = region
-            del region
-        self.bytes_read += out.nbytes
+        path = self._join(fn)
+        try:
+            if self.local is None:  # counts the spans it fetches
+                self._read_remote(path, base, shape, index, strides, lo, hi, dtype, out)
+                return
+            if out.dtype == dtype and out.flags.c_contiguous and hi - lo == out.nbytes:
+                self._pread(fn, lo, out)  # the slice is one run of bytes: read them straight into `out`
+            else:
+                self._read_mapped(fn, lo, hi, strides, dtype, out)
+        except OSError as e:
+            raise ValueError(f"{path}: cannot read tensor {name} ({type(e).__name__}: {e})") from None
+        with self._lock:
+            self.bytes_read += out.size * itemsize
 
-    def _read_remote(self, url: str, base: int, shape: tuple[int, ...], index: views.Index, out: np.ndarray) -> None:
+    def _pread(self, fn: str, lo: int, out: np.ndarray) -> None:
+        """A contiguous slice (whole rows: an FSDP shard, an expert, a replicated tensor) with `preadv` into
+        its destination: one copy, page cache to the device's buffer, without mapping pages into the process."""
+        dest = memoryview(out.reshape(-1).view(np.uint8))
+        done, fd = 0, self._fd(fn)
+        while done < len(dest):
+            n = os.preadv(fd, [dest[done:]], lo + done)
+            if n <= 0:
+                raise OSError(f"truncated: {done} of {len(dest)} bytes at {lo}")
+            done += n
+
+    def _read_mapped(self, fn: str, lo: int, hi: int, strides: list[int], dtype: np.dtype, out: np.ndarray) -> None:
+        """A strided slice (columns of a tensor-parallel shard, a dtype change) copied out of the file's memory
+        map, the pages it spanned released right after (`MADV_DONTNEED`: they leave this process's resident
+        memory and stay in the page cache for the devices holding the other columns). One map per file for
+        the whole load: a map and unmap per slice cost more than the copy."""
+        mm = self._map(fn)
+        start = lo - lo % mmap.PAGESIZE
+        region = np.ndarray(out.shape, dtype, buffer=mm, offset=lo, strides=strides)
+        try:
+            out[...] = region
+        finally:
+            del region
+            mm.madvise(mmap.MADV_DONTNEED, start, hi - start)
+
+    def _map(self, fn: str) -> mmap.mmap:
+        with self._lock:
+            if fn not in self._maps:
+                self._maps[fn] = mmap.mmap(self._fd(fn), 0, access=mmap.ACCESS_READ)
+            return self._maps[fn]
+
+    def _read_remote(self, url: str, base: int, shape: tuple[int, ...], index: views.Index, strides: list[int],
+                     lo: int, hi: int, dtype: np.dtype, out: np.ndarray) -> None:
         """One ranged GET of the span the slice lies in, kept until the variable being placed is done
         (`clear_cache`): the other devices' slices of a column-sharded tensor come from the same span instead
         of a request per row each."""
         from storage import read_ranges
 
-        itemsize = out.dtype.itemsize
-        strides = [math.prod(shape[k + 1:]) * itemsize for k in range(len(shape))]
-        lo = base + sum(a * st for (a, _), st in zip(index, strides, strict=True))
-        hi = base + sum((b - 1) * st for (_, b), st in zip(index, strides, strict=True)) + itemsize
-        spans = self._spans.setdefault(url, [])
-        span = next((sp for sp in spans if sp[0] <= lo and hi <= sp[1]), None)
-        if span is None:
-            # the slice's whole rows (its range of the first dimension, everything else whole): the devices
-            # holding the other columns of those rows find them here, one request in all instead of one per
-            # row per device. A slice that takes every row reads the tensor once for all of them.
-            if shape:
-                first, last = base + index[0][0] * strides[0], base + index[0][1] * strides[0]
-            else:
-                first, last = base, base + itemsize
-            (data,) = read_ranges(url, [(first, last)])
-            if len(data) != last - first:
-                raise OSError(f"truncated: {len(data)} of {last - first} bytes at {first}")
-            self.bytes_read += len(data)
-            span = (first, last, data)
-            spans.append(span)
-        region = np.ndarray(out.shape, out.dtype, buffer=span[2], offset=lo - span[0], strides=strides)
+        with self._lock:  # one request per span, even when two threads want it at once
+            spans = self._spans.setdefault(url, [])
+            span = next((sp for sp in spans if sp[0] <= lo and hi <= sp[1]), None)
+            if span is None:
+                # the slice's whole rows (its range of the first dimension, everything else whole): the devices
+                # holding the other columns of those rows find them here, one request in all instead of one per
+                # row per device. A slice that takes every row reads the tensor once for all of them.
+                if shape:
+                    first, last = base + index[0][0] * strides[0], base + index[0][1] * strides[0]
+                else:
+                    first, last = base, base + dtype.itemsize
+                (data,) = read_ranges(url, [(first, last)])
+                if len(data) != last - first:
+                    raise OSError(f"truncated: {len(data)} of {last - first} bytes at {first}")
+                self.bytes_read += len(data)
+                span = (first, last, data)
+                spans.append(span)
+        region = np.ndarray(out.shape, dtype, buffer=span[2], offset=lo - span[0], strides=strides)
         out[...] = region
 
     def __getitem__(self, name: str) -> np.ndarray:
@@ -598,12 +636,19 @@ def place_whole(var: nnx.Variable, view: views.View) -> None:
     var.set_value(jnp.asarray(view.full(), dtype=var.get_value().dtype))
 
 
-def sharded_placer(mesh: Mesh, rules: Mapping[str, Any] | None = None) -> Placer:
+def sharded_placer(mesh: Mesh, rules: Mapping[str, Any] | None = None,
+                   times: dict[str, float] | None = None) -> Placer:
     """Give each variable its sharding from its logical axes (models/sharding.py), reading from its view only
-    the slices this process's devices hold, each once (`jax.make_array_from_callback` asks per device)."""
+    the slices this process's devices hold, each once, on a thread pool, straight into the buffers the devices
+    then use. A variable whose view is a permutation of the checkpoint's layout (a Linear's kernel is its HF
+    weight transposed) is read in the checkpoint's order and permuted on the devices; its checkpoint-order
+    copy is freed before the next variable is read, so the load holds one variable beyond the model (letting
+    the next reads overlap the permutation measured no faster on 2 cores and held two). `times`, when given,
+    accumulates the seconds spent reading (dequantizing included), placing, and permuting."""
     from models.sharding import RULES, named_sharding
 
     rules = RULES if rules is None else rules
+    times = {} if times is None else times
 
     def place(var: nnx.Variable, view: views.View) -> None:
         names = var.get_metadata().get("out_sharding")
@@ -615,25 +660,71 @@ def sharded_placer(mesh: Mesh, rules: Mapping[str, Any] | None = None) -> Placer
             inner = [None] * len(view.axes)
             for k, a in enumerate(view.axes):
                 inner[a] = spec[k]
-            raw = _from_view(view.base, NamedSharding(mesh, PartitionSpec(*inner)), dtype)
-            var.set_value(_permute(view.axes, sharding)(raw))
+            raw = _from_view(view.base, NamedSharding(mesh, PartitionSpec(*inner)), dtype, times)
+            t = time.perf_counter()
+            out = _permute(view.axes, sharding)(raw)
+            jax.block_until_ready(out)
+            raw.delete()  # its host buffers go back to the system now
+            var.set_value(out)
+            _add(times, "layout", t)
         else:
-            var.set_value(_from_view(view, sharding, dtype))
+            var.set_value(_from_view(view, sharding, dtype, times))
 
     return place
 
 
-def _from_view(view: views.View, sharding: Any, dtype: np.dtype) -> jax.Array:
-    """The array `view` describes, laid out by `sharding`; each distinct local slice read once."""
-    slices: dict[views.Index, np.ndarray] = {}
+ALIGN = 64  # XLA's CPU client uses a host buffer this aligned in place (no copy) for a device's array
+MAPPED_BYTES = 1 << 20  # buffers this large get pages of their own
 
-    def local_slice(index: Any) -> np.ndarray:
-        key = views.normalize(index, view.shape)
-        if key not in slices:
-            slices[key] = np.asarray(view.read(key), dtype)
-        return slices[key]
 
-    return jax.make_array_from_callback(view.shape, sharding, local_slice)
+def aligned_empty(shape: Sequence[int], dtype: np.dtype) -> np.ndarray:
+    """An uninitialized C-contiguous array whose data starts on an `ALIGN`-byte boundary. A large one is an
+    anonymous memory map, returned to the system the moment its last user lets go (from malloc, a freed 16 MB
+    slice raises glibc's mmap threshold and the next ones come from heaps that keep their pages)."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes >= MAPPED_BYTES:  # private (a shared one would be shmem, no huge pages: 15x slower to fault in)
+        mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        if hasattr(mmap, "MADV_HUGEPAGE"):  # 2 MB pages where the kernel does them on request (THP "madvise")
+            mm.madvise(mmap.MADV_HUGEPAGE)
+        return np.frombuffer(mm, dtype).reshape(shape)
+    raw = np.empty(nbytes + ALIGN, np.uint8)
+    skip = -raw.ctypes.data % ALIGN
+    return raw[skip:skip + nbytes].view(dtype).reshape(shape)
+
+
+def _pool() -> ThreadPoolExecutor:
+    global _POOL
+    if _POOL is None:
+        _POOL = ThreadPoolExecutor(max(2, min(16, os.cpu_count() or 2)), thread_name_prefix="forgeline-load")
+    return _POOL
+
+
+_POOL: ThreadPoolExecutor | None = None
+
+
+def _add(times: dict[str, float], key: str, since: float) -> None:
+    times[key] = times.get(key, 0.0) + time.perf_counter() - since
+
+
+def _from_view(view: views.View, sharding: Any, dtype: np.dtype, times: dict[str, float]) -> jax.Array:
+    """The array `view` describes, laid out by `sharding`: each distinct slice this process's devices hold read
+    once (in parallel, into an aligned buffer), then handed to the devices holding it without another copy
+    (XLA's CPU client uses an aligned host buffer in place)."""
+    t = time.perf_counter()
+    shape = tuple(view.shape)
+    keys = sorted({views.normalize(index, shape) for index in sharding.addressable_devices_indices_map(shape).values()})
+    buffers = [aligned_empty(views.extent(index), dtype) for index in keys]
+
+    def fill(k: int) -> None:
+        view.read_into(keys[k], buffers[k])
+
+    list(_pool().map(fill, range(len(keys))) if len(keys) > 1 else map(fill, range(len(keys))))
+    slices = dict(zip(keys, buffers, strict=True))
+    _add(times, "read", t)
+    t = time.perf_counter()
+    out = jax.make_array_from_callback(shape, sharding, lambda index: slices[views.normalize(index, shape)])
+    _add(times, "place", t)
+    return out
 
 
 @functools.lru_cache(maxsize=64)
@@ -776,8 +867,11 @@ def from_pretrained(path_or_url: str, *, dtype: Any = jnp.float32, mesh: Mesh | 
     dequantizing in the forward, one module at a time, with its FP8 KV cache's `self_attn.k_scale` / `v_scale`
     when `kv_cache_scheme` names one (models/quant/kv_cache.py). `stats`, when given, receives `bytes_read`.
     `layers`: only these decoder layers, renumbered 0..n-1 (a depth-pruned student: models/pruning.py); the
-    other layers' bytes are never read.
+    other layers' bytes are never read. With a mesh, `stats` also receives `seconds`: the load's wall time
+    split into building the structure, reading (and dequantizing) slices, placing them on the devices and
+    permuting layouts on the devices (what the reads did not hide), after waiting for every array.
     """
+    t0, times = time.perf_counter(), {}
     local = _local_path(path_or_url)
     config_path = os.path.join(local, "config.json") if local is not None else f"{path_or_url.rstrip('/')}/config.json"
     cfg_dict = load_config(path_or_url)
@@ -808,15 +902,20 @@ def from_pretrained(path_or_url: str, *, dtype: Any = jnp.float32, mesh: Mesh | 
         elif qcfg:
             quant.prepare_for_load(model, quant.read_scheme(qcfg, config_path), set(tensors))
             quant.prepare_kv_scales(model, quant.read_kv_cache_scheme(qcfg, config_path))  # FP8 KV cache
+        times["structure"] = time.perf_counter() - t0
         if mesh is None:
             hf_to_state(model, tensors, source=local or path_or_url)
         else:
             from models.sharding import shard_model
 
-            hf_to_state(model, tensors, source=local or path_or_url, place=sharded_placer(mesh, rules),
+            hf_to_state(model, tensors, source=local or path_or_url, place=sharded_placer(mesh, rules, times),
                         loaded=lambda module: shard_model(module, mesh, *(() if rules is None else (rules,))))
         if stats is not None:
             stats["bytes_read"] = checkpoint.bytes_read  # how much of the checkpoint this process read
+            t = time.perf_counter()  # the permutations still running when the last slice was placed
+            jax.block_until_ready(jax.tree.leaves(nnx.state(model)))
+            _add(times, "layout", t)
+            stats["seconds"] = {**times, "total": time.perf_counter() - t0}
     finally:
         checkpoint.close()
     return model

@@ -44,12 +44,22 @@ def whole(shape: Sequence[int]) -> Index:
     return tuple((0, n) for n in shape)
 
 
+def extent(index: Index) -> list[int]:
+    return [b - a for a, b in index]
+
+
 class View:
     shape: tuple[int, ...]
     dtype: np.dtype
 
     def read(self, index: Index) -> np.ndarray:
         raise NotImplementedError
+
+    def read_into(self, index: Index, out: np.ndarray) -> None:
+        """Write `view[index]` into `out` (its shape, any dtype, any strides): the loader reads each device's
+        slice straight into the buffer the device then uses. Views that can do it without an intermediate
+        array (a checkpoint tensor, a stack, a concatenation) override this."""
+        out[...] = self.read(index)
 
     def full(self) -> np.ndarray:
         return self.read(whole(self.shape))
@@ -89,6 +99,13 @@ class Tensor(View):
     def read(self, index: Index) -> np.ndarray:
         return self.checkpoint.read(self.name, index)
 
+    def read_into(self, index: Index, out: np.ndarray) -> None:
+        read_into = getattr(self.checkpoint, "read_into", None)
+        if read_into is None:
+            out[...] = self.read(index)
+        else:
+            read_into(self.name, index, out)
+
 
 class Permuted(View):
     """`np.transpose(base, axes)`: a Linear's kernel [in, out] is its HF weight [out, in] permuted (1, 0)."""
@@ -114,11 +131,14 @@ class Stacked(View):
         self.shape, self.dtype = (len(parts), *parts[0].shape), np.result_type(*(p.dtype for p in parts))
 
     def read(self, index: Index) -> np.ndarray:
-        (a, b), rest = index[0], index[1:]
-        out = np.empty([b - a] + [hi - lo for lo, hi in rest], self.dtype)
-        for i, e in enumerate(range(a, b)):
-            out[i] = self.parts[e].read(rest)
+        out = np.empty(extent(index), self.dtype)
+        self.read_into(index, out)
         return out
+
+    def read_into(self, index: Index, out: np.ndarray) -> None:
+        (a, b), rest = index[0], index[1:]
+        for i, e in enumerate(range(a, b)):
+            self.parts[e].read_into(rest, out[i])
 
 
 class Concat(View):
@@ -136,18 +156,23 @@ class Concat(View):
         self.dtype = np.result_type(*(p.dtype for p in parts))
 
     def read(self, index: Index) -> np.ndarray:
+        out = np.empty(extent(index), self.dtype)
+        self.read_into(index, out)
+        return out
+
+    def read_into(self, index: Index, out: np.ndarray) -> None:
+        """Each part's overlap with the slice straight into its place in `out` (no concatenation copy)."""
         a, b = index[self.axis]
-        pieces, offset = [], 0
+        offset = 0
         for p in self.parts:
             lo, hi = max(a, offset), min(b, offset + p.shape[self.axis])
             if lo < hi:
                 sub = list(index)
                 sub[self.axis] = (lo - offset, hi - offset)
-                pieces.append(p.read(tuple(sub)).astype(self.dtype, copy=False))
+                where = [slice(None)] * len(index)
+                where[self.axis] = slice(lo - a, hi - a)
+                p.read_into(tuple(sub), out[tuple(where)])
             offset += p.shape[self.axis]
-        if not pieces:
-            return np.empty([hi - lo for lo, hi in index], self.dtype)
-        return np.concatenate(pieces, axis=self.axis)
 
 
 class Deinterleaved(View):
