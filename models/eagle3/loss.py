@@ -58,14 +58,17 @@ def ttt_attention(q: jax.Array, k0: jax.Array, v0: jax.Array, mask0: jax.Array,
 
 
 def ttt_unroll(draft: Eagle3Draft, token_ids: jax.Array, features: jax.Array, *, positions: jax.Array,
-               segment_ids: jax.Array | None, steps: int) -> Iterator[jax.Array]:
-    """Yield the draft logits [B, T, Vd] of TTT steps 0..steps-1 (no cache, one pass per step).
+               segment_ids: jax.Array | None, steps: int,
+               head: Callable[[jax.Array], jax.Array] | None = None) -> Iterator[jax.Array]:
+    """Yield the draft logits [B, T, Vd] of TTT steps 0..steps-1 (no cache, one pass per step); `head` maps
+    a step's hidden state [B, T, D] to what is yielded (default: norm and LM head, the logits).
 
     Step k at position p: token token_ids[p + k] (0 past the end), f = fc(features_p) at k = 0 else
     the step k-1 output at p, rotary position positions[p] + k; attention over the step-0 keys of
     positions <= p in p's segment plus p's own keys from steps 1..k (the diagonal extension).
     """
     B, T = token_ids.shape
+    head = head or (lambda h: draft.lm_head(draft.norm(h)))
     attn, layer = draft.midlayer.self_attn, draft.midlayer
     ctx, _ = build_context(T, B, positions=positions, segment_ids=segment_ids, cache=None, windows=set())
     mask0 = ctx.mask()  # [B, T, T] causal within segments
@@ -84,7 +87,7 @@ def ttt_unroll(draft: Eagle3Draft, token_ids: jax.Array, features: jax.Array, *,
             v_diag.append(vv)
         o = ttt_attention(q, k0, v0, mask0, k_diag, v_diag)  # [B, T, N, H]
         f = layer.finish(f, attn.o_proj(o.reshape(B, T, -1)))  # [B, T, D]: the next step's input
-        yield draft.lm_head(draft.norm(f))  # [B, T, Vd]
+        yield head(f)  # [B, T, Vd]
 
 
 def ttt_loss(draft: Eagle3Draft, batch: Mapping[str, jax.Array], features: jax.Array, target_logits: jax.Array,
@@ -121,16 +124,56 @@ def ttt_loss(draft: Eagle3Draft, batch: Mapping[str, jax.Array], features: jax.A
 
     total = jnp.zeros((), jnp.float32)
     losses, nums, dens = [], [], []
-    for k, logits in enumerate(unroll(draft, ids, features, positions=positions, segment_ids=seg, steps=steps)):
+    B, T = ids.shape
+    flat_restricted = restricted.reshape(B * T, -1)  # [B·T, Vd]
+    flat_label = label_arg.reshape(-1)  # [B·T]
+    hidden = unroll(draft, ids, features, positions=positions, segment_ids=seg, steps=steps, head=lambda h: h)
+    for k, h in enumerate(hidden):
         s = 1 + k  # label position offset
         m = (_shift(scored, s) & (_shift(seg, s) == seg) & (seg != 0)).astype(jnp.float32)  # [B, T]
-        logits = logits.astype(jnp.float32)
-        per_pos = draft_loss(logits, _shift(restricted, s), objective, temperature)  # [B, T]
-        loss_k = jnp.sum(m * per_pos)
-        correct = (jnp.argmax(logits, axis=-1) == _shift(label_arg, s)).astype(jnp.float32)
+        loss_k, num_k = _scored_positions(draft, h, m, flat_restricted, flat_label, s, objective, temperature)
         total = total + (decay**k) * loss_k
         losses.append(loss_k)
-        nums.append(jnp.sum(m * correct))
+        nums.append(num_k)
         dens.append(jnp.sum(m))
     stats = {"loss": jnp.stack(losses), "acc_num": jnp.stack(nums), "acc_den": jnp.stack(dens)}
     return total, stats
+
+
+def _scored_positions(draft: Eagle3Draft, h: jax.Array, m: jax.Array, flat_restricted: jax.Array,
+                      flat_label: jax.Array, s: int, objective: Objective,
+                      temperature: float) -> tuple[jax.Array, jax.Array]:
+    """(Σ m · loss, Σ m · [draft argmax = label]) of one TTT step, the LM head and the loss computed only at the
+    positions m scores. h [B, T, D] the step's hidden state, m [B, T] its mask, flat_restricted [B·T, Vd] and
+    flat_label [B·T] the labels, which for position p sit at p + s.
+
+    Only a third of the positions of a traces batch are answer tokens (the rest prompt and padding), and the
+    head over the draft vocabulary and its softmax were 80 % of a TTT step. The scored positions are packed
+    into a quarter or a half of the rows (`jnp.nonzero` with a fixed size, so the program has one shape) when
+    they fit, else every row is computed: `lax.switch` picks at run time, the same sums either way."""
+    B, T, D = h.shape
+    n = B * T
+    flat_m = m.reshape(n)
+    count = jnp.sum(flat_m > 0)
+
+    def packed(rows: int):
+        def run(h: jax.Array) -> tuple[jax.Array, jax.Array]:
+            idx = jnp.nonzero(flat_m > 0, size=rows, fill_value=0)[0]  # [rows]
+            w = flat_m[idx] * (jnp.arange(rows) < count)  # [rows]: padding rows weigh nothing
+            logits = draft.lm_head(draft.norm(h.reshape(n, D)[idx])).astype(jnp.float32)  # [rows, Vd]
+            label_rows = jnp.minimum(idx + s, n - 1)  # a scored p has p + s in its own row of the batch
+            per_pos = draft_loss(logits, flat_restricted[label_rows], objective, temperature)  # [rows]
+            correct = (jnp.argmax(logits, axis=-1) == flat_label[label_rows]).astype(jnp.float32)
+            return jnp.sum(w * per_pos), jnp.sum(w * correct)
+        return run
+
+    def every(h: jax.Array) -> tuple[jax.Array, jax.Array]:
+        logits = draft.lm_head(draft.norm(h)).astype(jnp.float32)  # [B, T, Vd]
+        restricted = _shift(flat_restricted.reshape(B, T, -1), s)
+        per_pos = draft_loss(logits, restricted, objective, temperature)  # [B, T]
+        correct = (jnp.argmax(logits, axis=-1) == _shift(flat_label.reshape(B, T), s)).astype(jnp.float32)
+        return jnp.sum(m * per_pos), jnp.sum(m * correct)
+
+    quarter, half = -(-n // 4), -(-n // 2)
+    branch = (count > quarter).astype(jnp.int32) + (count > half).astype(jnp.int32)
+    return jax.lax.switch(branch, [packed(quarter), packed(half), every], h)

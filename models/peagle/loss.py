@@ -12,7 +12,7 @@ Shape legend: B batch, T length, D draft width, N heads, H head dim, Vd draft vo
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -23,22 +23,25 @@ from models.peagle.model import PEagleDraft
 
 
 def parallel_unroll(draft: PEagleDraft, token_ids: jax.Array, features: jax.Array, *, positions: jax.Array,
-                    segment_ids: jax.Array | None, steps: int) -> Iterator[jax.Array]:
+                    segment_ids: jax.Array | None, steps: int,
+                    head: Callable[[jax.Array], jax.Array] | None = None) -> Iterator[jax.Array]:
     """Yield the draft logits [B, T, Vd] of depths 0..steps-1 at every anchor p (no cache; a drop-in
-    `unroll` for models/eagle3/loss.py `ttt_loss`, whose labels for depth d sit at p + 1 + d).
+    `unroll` for models/eagle3/loss.py `ttt_loss`, whose labels for depth d sit at p + 1 + d). `head` maps
+    a depth's hidden state [B, T, D] to what is yielded (default: norm and LM head, the logits).
 
     Depth 0: token token_ids[p] (= t_{p+1}) and fc(features_p) at rotary position positions[p]. Depth d:
     the mask token and fc(mask_hidden) at positions[p] + d, attending to the depth-0 keys of positions
     ≤ p in p's segment plus the keys of depths 1..d at p.
     """
     B, T = token_ids.shape
+    head = head or (lambda h: draft.lm_head(draft.norm(h)))
     attn, layer = draft.midlayer.self_attn, draft.midlayer
     ctx, _ = build_context(T, B, positions=positions, segment_ids=segment_ids, cache=None, windows=set())
     mask0 = ctx.mask()  # [B, T, T] causal within segments
     f0 = draft.fuse(features)  # [B, T, D]
     q, k0, v0 = attn.project(layer.attn_input(draft.embed_tokens(token_ids), f0), *draft.rope(ctx.positions))
     o = ttt_attention(q, k0, v0, mask0, [], [])  # [B, T, N, H]
-    yield draft.lm_head(draft.norm(layer.finish(f0, attn.o_proj(o.reshape(B, T, -1)))))
+    yield head(layer.finish(f0, attn.o_proj(o.reshape(B, T, -1))))
     if steps == 1:
         return
     fm = jnp.broadcast_to(draft.fuse(draft.mask_hidden[...][None, None]), f0.shape)  # [B, T, D]
@@ -51,4 +54,4 @@ def parallel_unroll(draft: PEagleDraft, token_ids: jax.Array, features: jax.Arra
         k_diag.append(kk)
         v_diag.append(vv)
         o = ttt_attention(q, k0, v0, mask0, k_diag, v_diag)
-        yield draft.lm_head(draft.norm(layer.finish(fm, attn.o_proj(o.reshape(B, T, -1)))))
+        yield head(layer.finish(fm, attn.o_proj(o.reshape(B, T, -1))))

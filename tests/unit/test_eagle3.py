@@ -62,8 +62,9 @@ def draft() -> Eagle3Draft:
     return make_draft()
 
 
-def packed_batch(seed: int = 0, B: int = 2, T: int = 12):
-    """Two rows: [seg 1 ×5, seg 2 ×5, padding ×2] and one full segment; random tokens and masks."""
+def packed_batch(seed: int = 0, B: int = 2, T: int = 12, density: float = 0.8):
+    """Two rows: [seg 1 ×5, seg 2 ×5, padding ×2] and one full segment; random tokens and masks (each
+    in-segment position a label with probability `density`)."""
     rng = np.random.default_rng(seed)
     seg = np.array([[1] * 5 + [2] * 5 + [0] * 2, [1] * T], np.int32)[:B]
     positions = np.zeros_like(seg)
@@ -71,7 +72,7 @@ def packed_batch(seed: int = 0, B: int = 2, T: int = 12):
         for p in range(1, T):
             positions[b, p] = positions[b, p - 1] + 1 if seg[b, p] == seg[b, p - 1] else 0
     target_ids = rng.integers(0, V, size=(B, T)).astype(np.int32)
-    loss_mask = ((rng.random((B, T)) < 0.8) & (seg != 0)).astype(np.int32)
+    loss_mask = ((rng.random((B, T)) < density) & (seg != 0)).astype(np.int32)
     batch = {"input_ids": np.roll(target_ids, 1, axis=1), "target_ids": target_ids, "positions": positions,
              "segment_ids": seg, "loss_mask": loss_mask}
     features = rng.normal(size=(B, T, 3 * DT)).astype(np.float32)
@@ -217,9 +218,23 @@ def unrolled_reference(draft: Eagle3Draft, batch, feats, tl, steps: int, decay: 
     return sum(decay**k * s[0] for k, s in enumerate(per_step)), per_step
 
 
-def test_ttt_unroll_equals_explicit_step_loop(draft):
+# scored positions per step, of B·T = 24: > 12 (every row computed), 7..12 (packed into half the rows), <= 6
+# (a quarter): ttt_loss picks among the three at run time (`_scored_positions`); the sums must not change.
+# (seed, loss-mask density, the target's argmax always in the draft vocabulary)
+CASES = [(3, 0.8, False), (8, 0.8, False), (3, 1.0, True)]
+
+
+def case_batch(draft: Eagle3Draft, seed: int, density: float, in_draft: bool):
+    batch, feats, tl = packed_batch(seed, density=density)
+    if in_draft:  # every in-segment label scored: no position drops out for a target argmax outside the draft
+        tl = tl.at[..., np.asarray(draft.target_token_ids)].add(100.0)
+    return batch, feats, tl
+
+
+@pytest.mark.parametrize(("seed", "density", "in_draft"), CASES)
+def test_ttt_unroll_equals_explicit_step_loop(draft, seed, density, in_draft):
     steps, decay = 4, 0.8
-    batch, feats, tl = packed_batch(3)
+    batch, feats, tl = case_batch(draft, seed, density, in_draft)
     loss, stats = jax.jit(lambda b, f, t: ttt_loss(draft, b, f, t, steps=steps, decay=decay))(batch, feats, tl)
     ref_total, per_step = unrolled_reference(draft, batch, feats, tl, steps, decay)
     np.testing.assert_allclose(float(loss), ref_total, rtol=1e-5)
@@ -228,6 +243,17 @@ def test_ttt_unroll_equals_explicit_step_loop(draft):
     assert np.asarray(stats["acc_den"]).tolist() == [s[2] for s in per_step]
     dens = [s[2] for s in per_step]
     assert dens[0] > dens[-1] > 0  # later steps lose the positions whose label leaves the segment
+
+
+def test_the_step_loop_cases_cover_every_scoring_path(draft):
+    """The cases above put TTT steps in each of `_scored_positions`' three paths (every row, half, quarter)."""
+    paths = set()
+    for case in CASES:
+        batch, feats, tl = case_batch(draft, *case)
+        _, stats = ttt_loss(draft, batch, feats, tl, steps=4, decay=0.8)
+        n = batch["target_ids"].size
+        paths |= {"every" if c > n // 2 else "half" if c > n // 4 else "quarter" for c in np.asarray(stats["acc_den"])}
+    assert paths == {"every", "half", "quarter"}, paths
 
 
 def test_training_updates_only_trainable_params():
