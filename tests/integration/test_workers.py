@@ -31,7 +31,13 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(180
 # serve=finetuned: the draft learns the fine-tuned model, so traces need not wait for quantize. One draft candidate
 # without τ selection: this test is about where stages run; the draft stage's candidates and selection run the same
 # in either mode (tests/unit/test_draft.py, test_release_flow.py, test_default_release.py).
-OVERRIDES = ["--set", "serve=finetuned", "--set", "draft.candidates=[{kind: eagle3}]", "--set", "draft.select_every=0"]
+# finetune.train.checkpoint_every: the smoke recipe's 10 fine-tune steps ran out within the test's poll once programs
+# came from the run's compilation cache, so the worker died after the last checkpoint and the rerun had nothing to
+# train. A checkpoint after every step (the same training: a longer fine-tune fails the smoke gates) and a faster
+# poll land the kill mid-training, as the test means.
+FINETUNE_STEPS = 10  # tests/recipes/smoke.yaml
+OVERRIDES = ["--set", "serve=finetuned", "--set", "draft.candidates=[{kind: eagle3}]", "--set", "draft.select_every=0",
+             "--set", "finetune.train.checkpoint_every=1"]
 STAGE_NAMES = {"data_prep[base]", "base", "data_prep", "finetune", "quantize", "traces", "draft", "evaluate", "export"}
 
 
@@ -198,7 +204,7 @@ def test_release_on_workers_survives_a_killed_worker_and_equals_inline(stack, me
             if killed is None and _checkpointed(env, store):
                 killed = _kill_the_finetune_worker(env, state)
                 kill_at = datetime.now().astimezone()
-            time.sleep(1.0)
+            time.sleep(0.2 if killed is None else 1.0)
         out, err = proc.communicate()
     finally:
         if proc.poll() is None:
@@ -232,7 +238,9 @@ def test_release_on_workers_survives_a_killed_worker_and_equals_inline(stack, me
     with _client(env) as client:
         logs = [entry.message for entry in client.read_logs(
             LogFilter(flow_run_id=LogFilterFlowRunId(any_=[finetunes[1].id])), limit=200)]
-    assert any("resumed from checkpoint at step" in m for m in logs), logs[-20:]
+    resumed = [int(m.split("resumed from checkpoint at step")[1].split()[0]) for m in logs
+               if "resumed from checkpoint at step" in m]
+    assert resumed and resumed[0] < FINETUNE_STEPS, logs[-20:]  # it resumed with training left to do
     crashed_after = (finetunes[0].end_time - kill_at).total_seconds()
 
     # what the UI shows: the release run holds the eval report and the metrics; each training stage's run its
