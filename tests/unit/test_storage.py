@@ -239,3 +239,24 @@ def test_digest_names_content_not_the_run(tmp_path):
         assert set(store.manifest(refs[-1])["volatile"]) == {"tensorboard/events", "timing.json"}
     assert refs[0].digest == refs[1].digest != refs[2].digest
     assert refs[0].url != refs[1].url
+
+
+def test_one_s3_client_per_process_and_environment(s3_env, monkeypatch):
+    """Every S3 call of a process shares one s3fs client (building one costs 0.1-0.3 s, which a client per call
+    paid on every exists/read/write), and a changed endpoint or credential gets a new one, which sees no answer
+    the old one cached: a write through one client is visible to the next read through the other."""
+    from storage import fs as sfs
+
+    url = f"s3://forgeline/clients-{uuid.uuid4().hex[:8]}/a.txt"
+    storage.write_bytes(url, b"one")
+    first = sfs._fs(url)[0]
+    assert storage.read_bytes(url) == b"one" and sfs._fs(url)[0] is first
+    assert storage.exists(url) and sfs._fs(url)[0] is first
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3_env["AWS_ACCESS_KEY_ID"])  # unchanged: the same client
+    assert sfs._fs(url)[0] is first
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "eu-west-3")  # a changed environment: a new client
+    second = sfs._fs(url)[0]
+    assert second is not first
+    storage.write_bytes(url, b"two")  # written by the new client
+    monkeypatch.setenv("AWS_DEFAULT_REGION", s3_env["AWS_DEFAULT_REGION"])
+    assert sfs._fs(url)[0] is first and storage.read_bytes(url) == b"two"  # the old one reads it, nothing stale
