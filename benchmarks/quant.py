@@ -381,11 +381,12 @@ def main(argv: list[str] | None = None) -> None:
         except ValueError as e:
             raise SystemExit(f"benchmarks.quant: {e}") from None
         wall = time.perf_counter() - t
-        ppl = perplexity(model, batches)
+        agree = agreement(float_model, model, batches)  # the quantized model's perplexity, and its KL
+        ppl = agree.pop("perplexity")
         sizes = disk_bytes(model, scheme)
         rows[name] = {
             "scheme": name, "perplexity": ppl, "perplexity_increase": ppl / ppl_float - 1,
-            **agreement(float_model, model, batches), **sizes,
+            **agree, **sizes,
             "bytes_ratio_vs_bf16": sizes["quantized_weight_bytes"] / sizes["bf16_weight_bytes"],
             "checkpoint_bytes_ratio_vs_bf16": sizes["checkpoint_bytes"] / sizes["bf16_checkpoint_bytes"],
             "quant_seconds": wall, "quantize_model_seconds": report["seconds"],

@@ -330,12 +330,12 @@ def _prefect_api() -> Iterator[None]:
     was gone. This one does not get the terminal's signals; it outlives the unwinding (the run is recorded
     as crashed) and is stopped when the command exits, or with the CLI's own death (PR_SET_PDEATHSIG).
     The command line is Prefect's own (`prefect.server.api.server.SubprocessASGIServer`)."""
-    from prefect.server.api.server import SubprocessASGIServer
     from prefect.settings import PREFECT_API_URL, get_current_settings, temporary_settings
 
     if PREFECT_API_URL.value():
         yield
         return
+    from prefect.server.api.server import SubprocessASGIServer  # 3 s of imports, for the ephemeral server only
 
     class Server(SubprocessASGIServer):
         def _run_uvicorn_command(self) -> subprocess.Popen:

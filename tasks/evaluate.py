@@ -106,24 +106,44 @@ def perplexity(model: nnx.Module, batches: list[dict[str, np.ndarray]]) -> float
 
 
 def agreement(reference: nnx.Module, other: nnx.Module, batches: list[dict[str, np.ndarray]]) -> dict[str, float]:
-    """Token-level KL(reference || other) over the loss positions - its mean, 99th percentile and maximum
-    (a mean can hide the few tokens whose answers change) - and top-1 agreement with its complement, the
-    flip rate: the share of positions whose greedy token differs (Dutta et al. 2024, "Accuracy is not all
-    you need", arXiv:2407.09141)."""
-    f_ref, f_other = _logits_fn(reference), _logits_fn(other)
+    """`other`'s perplexity, and token-level KL(reference || other) over the loss positions - its mean, 99th
+    percentile and maximum (a mean can hide the few tokens whose answers change) - and top-1 agreement with its
+    complement, the flip rate: the share of positions whose greedy token differs (Dutta et al. 2024, "Accuracy
+    is not all you need", arXiv:2407.09141). One compiled program per batch runs both models and reduces their
+    [B, T, V] logits to per-position numbers: `other`'s logits serve its perplexity too (a separate perplexity
+    pass ran its forward a second time), and the [B, T, V] intermediates never leave the program."""
+    ref_def, ref_state = nnx.split(reference)
+    other_def, other_state = nnx.split(other)
+
+    @jax.jit
+    def scores(ref_state, other_state, batch):  # -> ce, kl, flip: [B, T] each
+        def logits(graphdef, state):
+            m = nnx.merge(graphdef, state)
+            return m(batch["input_ids"], positions=batch["positions"],
+                     segment_ids=batch["segment_ids"]).astype(jnp.float32)  # [B, T, V]
+
+        lp = jax.nn.log_softmax(logits(ref_def, ref_state), -1)
+        zq = logits(other_def, other_state)
+        lq = jax.nn.log_softmax(zq, -1)
+        ce = optax.softmax_cross_entropy_with_integer_labels(zq, batch["target_ids"])
+        kl = (jnp.exp(lp) * (lp - lq)).sum(-1)
+        return ce, kl, lp.argmax(-1) != lq.argmax(-1)
+
     kls, flips = [], []
+    total, count = 0.0, 0.0
     for b in batches:
-        lp = jax.nn.log_softmax(f_ref(b).astype(jnp.float32), -1)  # [B, T, V]
-        lq = jax.nn.log_softmax(f_other(b).astype(jnp.float32), -1)
+        ce, kl, flip = scores(ref_state, other_state, b)
         mask = np.asarray(b["loss_mask"]) > 0  # [B, T]
-        kl = np.asarray((jnp.exp(lp) * (lp - lq)).sum(-1))  # [B, T]
-        kls.append(kl[mask])
-        flips.append(np.asarray(lp.argmax(-1) != lq.argmax(-1))[mask])
+        total += float((ce * b["loss_mask"].astype(np.float32)).sum())
+        count += float(mask.sum())
+        kls.append(np.asarray(kl)[mask])
+        flips.append(np.asarray(flip)[mask])
     kl, flip = np.concatenate(kls), np.concatenate(flips)
     if kl.size == 0:
         raise ValueError("evaluate: no loss positions in the held-out batches")
     flip_rate = float(flip.mean())
-    return {"kl": float(kl.mean()), "kl_p99": float(np.percentile(kl, 99)), "kl_max": float(kl.max()),
+    return {"perplexity": math.exp(total / count),
+            "kl": float(kl.mean()), "kl_p99": float(np.percentile(kl, 99)), "kl_max": float(kl.max()),
             "top1_agreement": 1.0 - flip_rate, "top1_flip_rate": flip_rate, "positions": int(kl.size)}
 
 
@@ -639,14 +659,15 @@ def evaluate(cfg: EvalConfig, *, base: Path | None, finetuned: Path, quantized: 
             accuracy[scheme] = task_accuracy(qmodel, tasks, cfg, decode, special["eos"], special["pad"])
         if scheme == cfg.spec_target:
             served = qmodel  # the model speculative decoding is measured against, loaded once
-        report["perplexity"][scheme] = p = perplexity(qmodel, batches)  # with its FP8 KV cache, if it has one
+        agree = agreement(target, qmodel, batches)  # with its FP8 KV cache, if it has one
+        report["perplexity"][scheme] = p = agree.pop("perplexity")
         kv = quant.kv_cache_strategy(qmodel)  # what the loaded checkpoint's attention applies
         kv = None if kv is None else f"fp8-{kv}"
         made = qdir / "quantization_report.json"  # what the quantize stage measured: bytes on disk, time
         made = read_report(lambda n, q=qdir: (q / n).read_bytes(), made.name) if made.exists() else {}
         report["quantization"][scheme] = {
             "perplexity": p, "perplexity_increase": p / report["perplexity"]["finetuned"] - 1,
-            **agreement(target, qmodel, batches),
+            **agree,
             "kv_cache": kv, **quant.kv_cache_bytes(qmodel, kv and "fp8"),
             **{k: made[k] for k in ("weight_bytes_ratio_vs_bf16", "checkpoint_bytes_ratio_vs_bf16",
                                     "mean_output_error", "calibration_tokens") if k in made},
