@@ -13,9 +13,9 @@ kernel [in, out] is the HF weight [out, in] transposed; Embed and RMSNorm weight
     model = from_pretrained("s3://bucket/ckpt", dtype=jnp.bfloat16, mesh=mesh)   # streamed onto a mesh
 
 Only safetensors are read (never pickle; the file layer is models/safetensors_io.py). Every header is
-validated before a byte of data is read, so a
-corrupt or truncated file, a missing tensor or a wrong shape raises a one-line ValueError naming the file
-and the tensor. Loading is streamed: the model is built abstractly and each variable, a lazy view of the
+validated before a byte of data is read, so a corrupt or truncated file, a missing tensor or a wrong shape
+raises a one-line ValueError naming the file and the tensor. Loading is streamed: the model is built
+abstractly and each variable, a lazy view of the
 checkpoint's tensors (models/views.py), is filled with only the slices this process's devices hold --
 memory maps for local files, ranged reads for other URLs, never a full local copy. Saving streams one
 tensor at a time into files planned from abstract shapes. docs/formats/hf-checkpoint.md, "Streamed,
