@@ -92,7 +92,8 @@ def _first_line(e: BaseException) -> str:
 
 def _preflight(recipe: str, overrides: list[str], store: str, allow_weaker_gates: bool):
     """Everything that can be checked before Prefect starts and any stage commits: the recipe and its
-    gates, the store, the input URLs, the first records of each user corpus, the quantize group sizes."""
+    gates, the store, the input URLs, the first records of each user corpus, the quantize group sizes, and
+    a base.url checkpoint's files, tokenizer and tensor names and shapes (headers only)."""
     import storage
     from tasks.recipe import ConfigError, load_release
 
@@ -129,6 +130,15 @@ def _preflight(recipe: str, overrides: list[str], store: str, allow_weaker_gates
         _check_quantize(cfg)
     except ValueError as e:
         _fail(f"quantize: {e}", 2)
+    if cfg.base.url is not None:
+        from tasks.base_model import check_base
+
+        try:
+            check_base(cfg.base.url)  # the listing, tokenizer and safetensors headers: no weight is read
+        except (ValueError, storage.StorageKeyError) as e:
+            _fail(_first_line(e) if str(e).startswith("base.url:") else f"base.url: {_first_line(e)}")
+        except Exception as e:  # an endpoint that stopped answering, refused credentials
+            _fail(f"base.url: cannot read {cfg.base.url} ({_first_line(e)})")
     if cfg.execution.mode == "workers":
         from flows.execution import StageRunFailed, check_workers
         from tasks.registry import STAGES

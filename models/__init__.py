@@ -22,6 +22,7 @@ _LAZY = {
     "KVCache": "models.generate",
     "generate": "models.generate",
     "jit_forward": "models.generate",
+    "check_pretrained": "models.hf",
     "from_pretrained": "models.hf",
     "hf_to_state": "models.hf",
     "load_config": "models.hf",

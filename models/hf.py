@@ -392,7 +392,7 @@ def _permute(axes: tuple[int, ...], sharding: Any) -> Callable[[jax.Array], jax.
 
 def hf_to_state(
     model: nnx.Module, tensors: Mapping[str, np.ndarray], *, source: str = "<tensors>", place: Placer = place_whole,
-    loaded: Callable[[nnx.Module], None] | None = None,
+    loaded: Callable[[nnx.Module], None] | None = None, check_only: bool = False,
 ) -> nnx.State:
     """Fill `model`'s variables in place from HF-named `tensors` (works on an `nnx.eval_shape`
     model) and return its state.
@@ -405,12 +405,16 @@ def hf_to_state(
     Every missing, unexpected and mis-shaped tensor is collected and reported in one ValueError
     naming the file (or folder). A model may accept extra names through `hf_accepts(name)` (e.g.
     MTP copies of the embeddings).
+
+    `check_only`: match names and shapes only; nothing is read or placed (the model stays abstract), and the
+    tensors of modules read by code of their own (quantized ones) are accepted unchecked.
     """
     where = getattr(tensors, "path_of", lambda _: source)
     lazy = getattr(tensors, "view", None)
     used: set[str] = set()
     missing: list[str] = []
     misshaped: list[str] = []
+    unchecked: set[str] = set()  # check_only: modules whose tensors are not matched here
 
     def get(name: str, shape: tuple[int, ...]) -> views.View | None:
         if name not in tensors:
@@ -430,11 +434,14 @@ def hf_to_state(
     clear = getattr(tensors, "clear_cache", lambda: None)
 
     def put(var: nnx.Variable, view: views.View | None) -> None:
-        if view is not None:
+        if view is not None and not check_only:
             place(var, view)
             clear()
 
     for name, _, mod in _named_modules(model):
+        if check_only and (getattr(mod, "quantized", False) or getattr(mod, "qweight", None) is not None):
+            unchecked.add(name)
+            continue
         if hasattr(mod, "hf_views"):
             if getattr(mod, "quantized", False):
                 quant.load_experts(lambda suffix, shape, _n=name: get_array(f"{_n}.{suffix}", shape), mod,
@@ -466,7 +473,12 @@ def hf_to_state(
             if var is not None:
                 put(var, get(f"{name}.{attr}", tuple(var.get_value().shape)))
     accepts = getattr(model, "hf_accepts", lambda _name: False)
-    unexpected = sorted((n for n in set(tensors) - used if not accepts(n)), key=_natural_key)
+
+    def in_unchecked(n: str) -> bool:
+        parts = n.split(".")
+        return any(".".join(parts[:k]) in unchecked for k in range(1, len(parts)))
+
+    unexpected = sorted((n for n in set(tensors) - used if not accepts(n) and not in_unchecked(n)), key=_natural_key)
     if missing or unexpected or misshaped:
         parts = []
         for label, names in (("missing", missing), ("unexpected", unexpected), ("mis-shaped", misshaped)):
@@ -478,6 +490,8 @@ def hf_to_state(
         arch = type(model).__name__
         raise ValueError(f"{place}: tensors do not match {arch}: " + "; ".join(parts))
     state = nnx.state(model)
+    if check_only:
+        return state
     if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(state)):
         raise ValueError(f"{source}: some variables were not loaded")  # a family/loader mismatch
     return state
@@ -531,35 +545,10 @@ def from_pretrained(path_or_url: str, *, dtype: Any = jnp.float32, mesh: Mesh | 
     """
     t0, times = time.perf_counter(), {}
     local = _local_path(path_or_url)
-    config_path = os.path.join(local, "config.json") if local is not None else f"{path_or_url.rstrip('/')}/config.json"
-    cfg_dict = load_config(path_or_url)
-    if layers is not None:
-        cfg_dict = pruning.select_layers(cfg_dict, layers)
-    config_cls, model_cls = families.resolve(cfg_dict, config_path)
-    try:
-        config = config_cls.from_hf(cfg_dict)
-    except KeyError as e:
-        raise ValueError(f"{config_path}: missing key {e.args[0]!r}") from None
-    except (TypeError, ZeroDivisionError) as e:
-        raise ValueError(f"{config_path}: malformed config ({type(e).__name__}: {e})") from None
+    read = _read_config(path_or_url, layers)
     checkpoint = SafetensorsCheckpoint(path_or_url)
-    tensors: Mapping[str, np.ndarray] = checkpoint if layers is None else pruning.LayerSelection(checkpoint, layers)
     try:
-        for_checkpoint = getattr(config, "for_checkpoint", None)
-        if for_checkpoint is not None:  # e.g. how many MTP layers the files actually hold
-            config = for_checkpoint(set(tensors))
-        model = nnx.eval_shape(lambda: model_cls(config, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=dtype))
-        qcfg = cfg_dict.get("quantization_config") or {}
-        method = qcfg.get("quant_method")
-        if method in ("fp8", "mxfp4"):
-            block = tuple(qcfg.get("weight_block_size") or (128, 128))
-            if method == "fp8" and block != (128, 128):
-                raise ValueError(f"{config_path}: quantization_config.weight_block_size {list(block)} "
-                                 "(only [128, 128] is supported)")
-            tensors = DequantizingCheckpoint(tensors)
-        elif qcfg:
-            quant.prepare_for_load(model, quant.read_scheme(qcfg, config_path), set(tensors))
-            quant.prepare_kv_scales(model, quant.read_kv_cache_scheme(qcfg, config_path))  # FP8 KV cache
+        model, tensors = _abstract_model(read, checkpoint, dtype, layers)
         times["structure"] = time.perf_counter() - t0
         if mesh is None:
             hf_to_state(model, tensors, source=local or path_or_url)
@@ -577,6 +566,64 @@ def from_pretrained(path_or_url: str, *, dtype: Any = jnp.float32, mesh: Mesh | 
     finally:
         checkpoint.close()
     return model
+
+
+def check_pretrained(path_or_url: str) -> nnx.Module:
+    """Everything `from_pretrained` checks before it reads a weight, and nothing it reads: config.json (a
+    supported family and settings), each safetensors file's header (well-formed, every tensor inside the
+    file's bytes) and the tensors' names and shapes against the model's. Raises ValueError naming the file.
+    Reads only config.json and the headers (ranged reads for s3://), so it is cheap on a terabyte checkpoint:
+    what a command line runs before it starts any job. The contents of quantized modules (compressed-tensors)
+    are left to the load. Returns the abstract model (`nnx.eval_shape`: its config, no arrays)."""
+    read = _read_config(path_or_url, None)
+    checkpoint = SafetensorsCheckpoint(path_or_url)
+    try:
+        model, tensors = _abstract_model(read, checkpoint, jnp.float32, None)
+        hf_to_state(model, tensors, source=_local_path(path_or_url) or path_or_url, check_only=True)
+    finally:
+        checkpoint.close()
+    return model
+
+
+def _read_config(path_or_url: str, layers: Sequence[int] | None) -> tuple[str, dict[str, Any], Any, type]:
+    """(config.json's path, its dict, the family's config, the model class) of a checkpoint folder."""
+    local = _local_path(path_or_url)
+    config_path = os.path.join(local, "config.json") if local is not None else f"{path_or_url.rstrip('/')}/config.json"
+    cfg_dict = load_config(path_or_url)
+    if layers is not None:
+        cfg_dict = pruning.select_layers(cfg_dict, layers)
+    config_cls, model_cls = families.resolve(cfg_dict, config_path)
+    try:
+        config = config_cls.from_hf(cfg_dict)
+    except KeyError as e:
+        raise ValueError(f"{config_path}: missing key {e.args[0]!r}") from None
+    except (TypeError, ZeroDivisionError) as e:
+        raise ValueError(f"{config_path}: malformed config ({type(e).__name__}: {e})") from None
+    return config_path, cfg_dict, config, model_cls
+
+
+def _abstract_model(read: tuple[str, dict[str, Any], Any, type], checkpoint: SafetensorsCheckpoint, dtype: Any,
+                    layers: Sequence[int] | None) -> tuple[nnx.Module, Mapping[str, np.ndarray]]:
+    """(abstract model, tensors as its loader reads them): the layer selection, the family's model built with
+    `nnx.eval_shape`, on-load dequantization or the compressed-tensors structure."""
+    config_path, cfg_dict, config, model_cls = read
+    tensors: Mapping[str, np.ndarray] = checkpoint if layers is None else pruning.LayerSelection(checkpoint, layers)
+    for_checkpoint = getattr(config, "for_checkpoint", None)
+    if for_checkpoint is not None:  # e.g. how many MTP layers the files actually hold
+        config = for_checkpoint(set(tensors))
+    model = nnx.eval_shape(lambda: model_cls(config, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=dtype))
+    qcfg = cfg_dict.get("quantization_config") or {}
+    method = qcfg.get("quant_method")
+    if method in ("fp8", "mxfp4"):
+        block = tuple(qcfg.get("weight_block_size") or (128, 128))
+        if method == "fp8" and block != (128, 128):
+            raise ValueError(f"{config_path}: quantization_config.weight_block_size {list(block)} "
+                             "(only [128, 128] is supported)")
+        tensors = DequantizingCheckpoint(tensors)
+    elif qcfg:
+        quant.prepare_for_load(model, quant.read_scheme(qcfg, config_path), set(tensors))
+        quant.prepare_kv_scales(model, quant.read_kv_cache_scheme(qcfg, config_path))  # FP8 KV cache
+    return model, tensors
 
 
 SAFETENSORS_TAGS = {np.dtype(v): k for k, v in NUMPY_DTYPES.items()}

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -79,35 +80,75 @@ def import_checkpoint(url: str, out_dir: Path) -> dict[str, Any]:
         raise ValueError(f"base.url: {msg.replace(str(local), storage.normalize_url(url))}") from None
 
 
-def _check_import(url: str, local: Path) -> dict[str, Any]:
-    from tokenizers import Tokenizer
+def check_base(url: str) -> None:
+    """`import_checkpoint`'s checks made on `url` in place, reading only its listing, config.json, the tokenizer
+    files and the safetensors headers, never a weight: what `forgeline release` runs before Prefect starts, so a
+    broken checkpoint is one error line within seconds rather than a failed stage. The stage still checks the
+    copy it imports (and the contents of quantized modules, which only a load reads). Raises ValueError (or
+    storage.StorageKeyError) prefixed `base.url:`, naming the user's URL or file."""
+    base = storage.normalize_url(url)
+    nowhere = Path(tempfile.gettempdir()) / "forgeline-base-check" / "model"  # never created: keys are only checked
+    names = set()
+    for file_url in storage.list_files(base):
+        rel = file_url[len(base):].lstrip("/")
+        storage.local_file(nowhere, rel, source=base)  # the refusal download_dir would make of a crafted key
+        names.add(rel)
+    local = storage.local_path(base)
+    try:
+        _check_files(base, names)
+        try:
+            model = models.check_pretrained(base)
+        except ValueError as e:  # it names the local files of a file:// URL
+            raise ValueError(str(e) if local is None else str(e).replace(str(local), base)) from None
+        tokenizer = storage.join(base, "tokenizer.json")
+        tok_cfg = storage.join(base, "tokenizer_config.json")
+        _check_tokenizer(storage.read_bytes(tokenizer).decode("utf-8", errors="replace"), tokenizer,
+                         storage.read_bytes(tok_cfg) if "tokenizer_config.json" in names else None, tok_cfg,
+                         model.config.vocab_size)
+    except (ValueError, NotImplementedError, KeyError) as e:
+        raise ValueError(f"base.url: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
 
-    from tasks.data.tokens import find_special_tokens
 
-    if not (local / "config.json").exists():
+def _check_files(url: str, names: set[str]) -> None:
+    """The folder's top-level files (`names`): an HF checkpoint with safetensors weights and a tokenizer."""
+    top = {n for n in names if "/" not in n}
+    if "config.json" not in top:
         raise ValueError(f"{url} has no config.json (not an HF checkpoint folder)")
-    if not any(local.glob("*.safetensors")) and (any(local.glob("*.bin")) or any(local.glob("*.pt"))):
+    if not any(n.endswith(".safetensors") for n in top) and any(n.endswith((".bin", ".pt")) for n in top):
         raise ValueError(f"{url} holds only pickle weights (*.bin/*.pt), which forgeline never loads: "
                          "convert them to safetensors")
-    if not (local / "tokenizer.json").exists():
+    if "tokenizer.json" not in top:
         raise ValueError(f"{url} has no tokenizer.json")
-    model = models.from_pretrained(str(local))  # raises ValueError naming a corrupt file or tensor
+
+
+def _check_tokenizer(text: str, where: str, config: bytes | None, config_where: str, rows: int) -> None:
+    """tokenizer.json (`text`, read from `where`) and tokenizer_config.json (`config`, None when absent): a
+    tokenizer whose special tokens are found and whose vocabulary fits the model's `rows` embedding rows."""
+    from tasks.data.tokens import find_special_tokens
+
     try:
-        tok = Tokenizer.from_file(str(local / "tokenizer.json"))
+        tok = Tokenizer.from_str(text)
     except Exception as e:  # the tokenizers library raises its own exception type
-        raise ValueError(f"{local / 'tokenizer.json'}: not a tokenizer ({str(e).splitlines()[0][:200]})") from None
-    tok_cfg = local / "tokenizer_config.json"
+        raise ValueError(f"{where}: not a tokenizer ({str(e).splitlines()[0][:200]})") from None
     try:
-        given = json.loads(tok_cfg.read_text()) if tok_cfg.exists() else None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{tok_cfg}: not JSON ({e})") from None
+        given = json.loads(config) if config is not None else None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{config_where}: not JSON ({e})") from None
     try:
         find_special_tokens(tok, given)
     except ValueError as e:
-        raise ValueError(f"{local / 'tokenizer.json'}: {str(e).removeprefix('tokenizer: ')}") from None
-    vocab, rows = tok.get_vocab_size(with_added_tokens=True), model.config.vocab_size
+        raise ValueError(f"{where}: {str(e).removeprefix('tokenizer: ')}") from None
+    vocab = tok.get_vocab_size(with_added_tokens=True)
     if vocab > rows:
-        raise ValueError(f"{local / 'tokenizer.json'}: {vocab} tokens, but the model's embedding has {rows} rows")
+        raise ValueError(f"{where}: {vocab} tokens, but the model's embedding has {rows} rows")
+
+
+def _check_import(url: str, local: Path) -> dict[str, Any]:
+    _check_files(url, {p.name for p in local.iterdir()})
+    model = models.from_pretrained(str(local))  # raises ValueError naming a corrupt file or tensor
+    tok_cfg = local / "tokenizer_config.json"
+    _check_tokenizer((local / "tokenizer.json").read_text(errors="replace"), str(local / "tokenizer.json"),
+                     tok_cfg.read_bytes() if tok_cfg.exists() else None, str(tok_cfg), model.config.vocab_size)
     n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     return {"source": url, "params": int(n_params)}
 

@@ -7,10 +7,11 @@ stderr exactly as a user sees them) on one bad input, and must end with
 - no traceback anywhere on the terminal;
 - nothing committed to the store (no manifest.json under it).
 
-Cases marked `stage` fail inside the first stage (a base checkpoint is only read there); they run against the
-session's Prefect test server. The others fail before Prefect starts. All cases run concurrently (three at a
-time) in one module fixture, so the catalogue costs about as much as its slowest few cases. The README's
-"Bad input" table lists every case: `test_readme_lists_every_case` keeps the two in step.
+Cases marked `stage` fail inside a stage (a corpus is read whole only there); they run against the session's
+Prefect test server. The others, a base checkpoint's tensors and tokenizer included, fail before Prefect
+starts. All cases run concurrently (three at a time) in one module fixture, so the catalogue costs about as
+much as its slowest few cases. The README's "Bad input" table lists every case: `test_readme_lists_every_case`
+keeps the two in step.
 """
 
 from __future__ import annotations
@@ -347,31 +348,31 @@ def case_base_missing(d, ctx):
     return sets(f"base.url=file://{d}/no-base")
 
 
-@case("a base folder without config.json", "base.url: file://{dir}/base has no config.json", stage=True)
+@case("a base folder without config.json", "base.url: file://{dir}/base has no config.json")
 def case_base_without_config(d, ctx):
     (base_copy(d, ctx) / "config.json").unlink()
     return sets(f"base.url=file://{d}/base")
 
 
-@case("a base config.json that is not JSON", "base.url: file://{dir}/base/config.json: cannot read config", stage=True)
+@case("a base config.json that is not JSON", "base.url: file://{dir}/base/config.json: cannot read config")
 def case_base_config_not_json(d, ctx):
     (base_copy(d, ctx) / "config.json").write_text("{not json")
     return sets(f"base.url=file://{d}/base")
 
 
-@case("a base of an unsupported architecture", "architectures ['GPT2LMHeadModel'] is not supported", stage=True)
+@case("a base of an unsupported architecture", "architectures ['GPT2LMHeadModel'] is not supported")
 def case_base_unknown_architecture(d, ctx):
     edit_config(base_copy(d, ctx), architectures=["GPT2LMHeadModel"], model_type="gpt2")
     return sets(f"base.url=file://{d}/base")
 
 
-@case("a base config with an unsupported setting (`hidden_act: gelu`)", "hidden_act 'gelu' (only silu)", stage=True)
+@case("a base config with an unsupported setting (`hidden_act: gelu`)", "hidden_act 'gelu' (only silu)")
 def case_base_unsupported_setting(d, ctx):
     edit_config(base_copy(d, ctx), hidden_act="gelu")
     return sets(f"base.url=file://{d}/base")
 
 
-@case("a base config missing `num_attention_heads`", "config.json: missing key 'num_attention_heads'", stage=True)
+@case("a base config missing `num_attention_heads`", "config.json: missing key 'num_attention_heads'")
 def case_base_config_missing_key(d, ctx):
     path = base_copy(d, ctx)
     cfg = json.loads((path / "config.json").read_text())
@@ -381,15 +382,14 @@ def case_base_config_missing_key(d, ctx):
 
 
 @case("a truncated safetensors file (an interrupted download)", "base.url: file://{dir}/base/model.safetensors: "
-      "truncated safetensors", stage=True)
+      "truncated safetensors")
 def case_base_truncated_weights(d, ctx):
     weights = base_copy(d, ctx) / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
     return sets(f"base.url=file://{d}/base")
 
 
-@case("a base checkpoint missing a tensor", "tensors do not match Llama: 1 missing: model.layers.0.mlp.up_proj.weight",
-      stage=True)
+@case("a base checkpoint missing a tensor", "tensors do not match Llama: 1 missing: model.layers.0.mlp.up_proj.weight")
 def case_base_missing_tensor(d, ctx):
     weights = base_copy(d, ctx) / "model.safetensors"
     tensors = safetensors.numpy.load_file(str(weights))
@@ -398,7 +398,7 @@ def case_base_missing_tensor(d, ctx):
     return sets(f"base.url=file://{d}/base")
 
 
-@case("a base tensor of the wrong shape", "1 mis-shaped: model.norm.weight [7]", stage=True)
+@case("a base tensor of the wrong shape", "1 mis-shaped: model.norm.weight [7]")
 def case_base_misshaped_tensor(d, ctx):
     weights = base_copy(d, ctx) / "model.safetensors"
     tensors = safetensors.numpy.load_file(str(weights))
@@ -407,7 +407,7 @@ def case_base_misshaped_tensor(d, ctx):
     return sets(f"base.url=file://{d}/base")
 
 
-@case("a base folder with only pickle weights (`pytorch_model.bin`)", "holds only pickle weights", stage=True)
+@case("a base folder with only pickle weights (`pytorch_model.bin`)", "holds only pickle weights")
 def case_base_pickle_only(d, ctx):
     path = base_copy(d, ctx)
     (path / "model.safetensors").unlink()
@@ -415,21 +415,20 @@ def case_base_pickle_only(d, ctx):
     return sets(f"base.url=file://{d}/base")
 
 
-@case("a base folder without tokenizer.json", "base.url: file://{dir}/base has no tokenizer.json", stage=True)
+@case("a base folder without tokenizer.json", "base.url: file://{dir}/base has no tokenizer.json")
 def case_base_without_tokenizer(d, ctx):
     (base_copy(d, ctx) / "tokenizer.json").unlink()
     return sets(f"base.url=file://{d}/base")
 
 
-@case("a base tokenizer.json that is not a tokenizer", "base.url: file://{dir}/base/tokenizer.json: not a tokenizer",
-      stage=True)
+@case("a base tokenizer.json that is not a tokenizer", "base.url: file://{dir}/base/tokenizer.json: not a tokenizer")
 def case_base_tokenizer_corrupt(d, ctx):
     (base_copy(d, ctx) / "tokenizer.json").write_text('{"version": "1.0", "model": 42}')
     return sets(f"base.url=file://{d}/base")
 
 
 @case("a tokenizer with more tokens than the model's embedding rows", "512 tokens, but the model's embedding has "
-      "300 rows", stage=True)
+      "300 rows")
 def case_base_vocab_larger_than_model(d, ctx):
     from flax import nnx
 
@@ -444,10 +443,19 @@ def case_base_vocab_larger_than_model(d, ctx):
 
 
 @case("`base.url` on a crafted S3 listing with a key `../../escaped.txt`",
-      "base.url: s3://bucket/ckpt: refusing the listed key '../../escaped.txt'", stage=True,
+      "base.url: s3://bucket/ckpt: refusing the listed key '../../escaped.txt'",
       env=lambda ctx: ctx["hostile"])
 def case_hostile_listing(d, ctx):
     return sets("base.url=s3://bucket/ckpt")
+
+
+@case("a JSONL record past the 10,000 that `forgeline release` reads first (found by data_prep, in a stage)",
+      "error: file://{dir}/corpus.jsonl: line 10001: not valid JSON", stage=True)
+def case_corpus_bad_record_past_preflight(d, ctx):
+    from tasks.data_prep import PREFLIGHT_DOCUMENTS
+
+    corpus = jsonl(d, [{"text": "def add(a, b):\n    return a + b\n"}] * PREFLIGHT_DOCUMENTS + ['{"text": '])
+    return sets(f"base.data.corpus={corpus}", "base.data.max_documents=20000")  # the first stage's input
 
 
 # -- running them ------------------------------------------------------------------------------------------------

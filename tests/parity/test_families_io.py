@@ -22,7 +22,7 @@ import torch
 import transformers
 from parity_helpers import build_from_config, hf_logits, rel_err, set_expert_impl, tiny_configs
 
-from models import from_pretrained, jit_forward, save_pretrained
+from models import check_pretrained, from_pretrained, jit_forward, save_pretrained
 from models.families import ARCHITECTURES
 from tests.devices import cpu_devices_env
 
@@ -59,6 +59,17 @@ def test_sharded_save_loads_in_transformers(checkpoints, tmp_path, arch):
     back = transformers.AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager", dtype=torch.float32)
     assert rel_err(hf_logits(back.eval(), IDS), hf_logits(hf, IDS)) <= 1e-4
     assert rel_err(from_pretrained(str(out))(jnp.asarray(IDS)), hf_logits(hf, IDS)) <= 1e-4
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_transformers_checkpoints_pass_the_header_check_without_a_tensor_read(checkpoints, monkeypatch, arch):
+    """`check_pretrained` (the command line's preflight of base.url) accepts what transformers saves, for every
+    family (stacked experts, MTP layers, sinks), from the headers alone."""
+    from tests.unit.test_models_hf import refuse_tensor_reads
+
+    hf, path = checkpoints[arch]
+    refuse_tensor_reads(monkeypatch)
+    assert check_pretrained(path).config.vocab_size == hf.config.vocab_size
 
 
 def header(path) -> dict[str, dict]:

@@ -13,7 +13,7 @@ import pytest
 import safetensors.numpy
 from flax import nnx
 
-from models import ARCHITECTURES, Llama, LlamaConfig, from_pretrained, save_pretrained, state_to_hf
+from models import ARCHITECTURES, Llama, LlamaConfig, check_pretrained, from_pretrained, save_pretrained, state_to_hf
 
 pytestmark = pytest.mark.unit
 
@@ -222,6 +222,39 @@ def test_every_mismatch_is_listed_in_one_error(saved, tmp_path):
     assert f"2 missing: {gone[0]}, {gone[1]}" in msg
     assert "1 unexpected: model.layers.7.mlp.extra.weight" in msg
     assert "1 mis-shaped: model.layers.0.mlp.down_proj.weight [2, 2]" in msg
+
+
+def refuse_tensor_reads(monkeypatch) -> None:
+    """Make reading any tensor's bytes from a safetensors checkpoint fail (headers still read)."""
+    from models.safetensors_io import SafetensorsCheckpoint
+
+    def refused(*_args, **_kwargs):
+        raise AssertionError("a tensor's bytes were read")
+
+    for method in ("read", "read_into", "_pread", "_read_mapped", "_read_remote"):
+        monkeypatch.setattr(SafetensorsCheckpoint, method, refused)
+
+
+def test_check_pretrained_finds_what_a_load_would_from_the_headers_alone(saved, tmp_path, monkeypatch):
+    """The command line's preflight (`forgeline release` runs it on base.url): the same one-line error as
+    `from_pretrained` for a mismatched checkpoint, the abstract model for a good one, and no tensor read."""
+    model, path = saved
+    tensors = safetensors.numpy.load_file(str(path / "model.safetensors"))
+    del tensors["model.layers.0.mlp.up_proj.weight"]
+    tensors["model.norm.weight"] = np.zeros((3,), np.float32)
+    tensors["model.layers.7.mlp.extra.weight"] = np.zeros((2,), np.float32)
+    bad = copy_ckpt(path, tmp_path / "mismatch")
+    safetensors.numpy.save_file(tensors, str(bad / "model.safetensors"))
+    with pytest.raises(ValueError) as loaded:
+        from_pretrained(str(bad))
+    refuse_tensor_reads(monkeypatch)
+    with pytest.raises(ValueError) as checked:
+        check_pretrained(str(bad))
+    assert str(checked.value) == str(loaded.value)
+    assert "1 missing" in str(checked.value) and "1 unexpected" in str(checked.value)
+    abstract = check_pretrained(f"file://{path}")
+    assert abstract.config == model.config
+    assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(nnx.state(abstract)))
 
 
 def test_no_weights_or_unknown_architecture(tmp_path):

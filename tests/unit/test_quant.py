@@ -223,7 +223,7 @@ def test_dequantize_fp8_tiles():
 
 
 @pytest.mark.parametrize("name", ["int8", "w4a16-asym-gptq-actorder-g32", "w4a16-awq-g64", "fp8-block"])
-def test_checkpoint_round_trip(name, tmp_path):
+def test_checkpoint_round_trip(name, tmp_path, monkeypatch):
     model = llama()
     quant.quantize_model(model, quant.parse_scheme(name), BATCHES)
     out = logits(model)
@@ -240,6 +240,11 @@ def test_checkpoint_round_trip(name, tmp_path):
         assert qc == {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                       "weight_block_size": [128, 128], "modules_to_not_convert": ["lm_head"]}
         assert rel(logits(models.from_pretrained(str(tmp_path / "ds"))), out) < 1e-5
+    # the preflight check accepts what it wrote, from the headers alone (quantized modules are the load's)
+    from tests.unit.test_models_hf import refuse_tensor_reads
+
+    refuse_tensor_reads(monkeypatch)
+    assert models.check_pretrained(str(tmp_path / name)).config == model.config
 
 
 # -- clear errors ----------------------------------------------------------------------------------------

@@ -242,6 +242,45 @@ def test_lora_trains_only_adapters(tiny_base):
 # -- traces packing --------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("defect", ["missing_tensor", "vocab_larger", "no_tokenizer"])
+def test_the_base_stage_and_the_preflight_refuse_a_base_alike(tiny_base, tmp_path, defect):
+    """`forgeline release` checks base.url in place before Prefect starts (`check_base`, headers only); the
+    base stage checks its downloaded copy again (`import_checkpoint`): the same message, naming the user's URL,
+    from both."""
+    import shutil
+
+    import safetensors.numpy
+
+    from tasks.base_model import check_base, import_checkpoint
+
+    base, _ = tiny_base
+    bad = tmp_path / "base"
+    shutil.copytree(base, bad)
+    if defect == "missing_tensor":
+        tensors = safetensors.numpy.load_file(str(bad / "model.safetensors"))
+        del tensors["model.layers.0.mlp.up_proj.weight"]
+        safetensors.numpy.save_file(tensors, str(bad / "model.safetensors"))
+        expect = f"base.url: file://{bad}/model.safetensors: tensors do not match Llama: 1 missing: "
+    elif defect == "vocab_larger":
+        cfg = json.loads((bad / "config.json").read_text())
+        (bad / "config.json").write_text(json.dumps({**cfg, "vocab_size": 300}))
+        tensors = safetensors.numpy.load_file(str(bad / "model.safetensors"))
+        tensors = {k: v[:300] if k in ("model.embed_tokens.weight", "lm_head.weight") else v
+                   for k, v in tensors.items()}
+        safetensors.numpy.save_file(tensors, str(bad / "model.safetensors"))
+        expect = f"base.url: file://{bad}/tokenizer.json: 512 tokens, but the model's embedding has 300 rows"
+    else:
+        (bad / "tokenizer.json").unlink()
+        expect = f"base.url: file://{bad} has no tokenizer.json"
+    with pytest.raises(ValueError) as checked:
+        check_base(f"file://{bad}")
+    with pytest.raises(ValueError) as imported:
+        import_checkpoint(f"file://{bad}", tmp_path / "out")
+    assert str(checked.value).startswith(expect), str(checked.value)
+    assert str(imported.value) == str(checked.value)
+    check_base(f"file://{base}")  # the good one passes
+
+
 def test_pack_masks_prompt_and_restarts_positions():
     rows = pack_answers(iter([([1, 10, 11], [20, 21]), ([1, 12], [22])]), seq_len=16, eos=2, pad=0)
     ids, tgt, pos, seg, mask = (np.array(rows[c][0]) for c in
