@@ -12,7 +12,8 @@ kernel [in, out] is the HF weight [out, in] transposed; Embed and RMSNorm weight
 
     model = from_pretrained("s3://bucket/ckpt", dtype=jnp.bfloat16, mesh=mesh)   # streamed onto a mesh
 
-Only safetensors are read (never pickle; the file layer is models/safetensors_io.py). Every header is
+Only safetensors are read (never pickle; the file layer is models/safetensors_io.py, moving tensors between
+hosts and devices models/transfer.py). Every header is
 validated before a byte of data is read, so a corrupt or truncated file, a missing tensor or a wrong shape
 raises a one-line ValueError naming the file and the tensor. Loading is streamed: the model is built
 abstractly and each variable, a lazy view of the
@@ -25,24 +26,21 @@ levanter's and MaxText's sharded checkpoint loading (`jax.make_array_from_callba
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import logging
 import math
-import mmap
 import os
 import re
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
 from models import families, pruning, quant, views
 from models.layers import Buffer, Embed, Linear, QuantScale, RMSNorm, hf_name
@@ -51,12 +49,23 @@ from models.safetensors_io import (  # noqa: F401  (re-exported: callers import 
     INDEX_FILE,
     NUMPY_DTYPES,
     SAFETENSORS_DTYPES,
+    SAFETENSORS_TAGS,
     SINGLE_FILE,
     SafetensorsCheckpoint,
+    SafetensorsWriter,
     _local_path,
     read_safetensors_header,
     readable_dir,
     writable_dir,
+)
+from models.transfer import (  # noqa: F401  (re-exported: callers import these from here too)
+    Placer,
+    _add,
+    _gather,
+    _host_parts,
+    place_whole,
+    sharded_placer,
+    to_host,
 )
 
 log = logging.getLogger(__name__)
@@ -198,84 +207,6 @@ def _on_devices(fn: Callable[[nnx.Module], Any], module: nnx.Module) -> Any:
     return out
 
 
-def to_host(x: jax.Array) -> np.ndarray:
-    """All of `x` on this host: a copy of the local array, or, when other processes hold parts of it, the
-    whole tensor gathered from them (a collective: every process must call it, in the same order)."""
-    return _assemble(_gather(x))
-
-
-def _gather(x: Any) -> np.ndarray | jax.Array:
-    """`x` whole on this process: a host array, or (sharded across processes) a device array under which
-    this process holds all of `x` exactly once, split over its own devices: one jitted identity into
-    `_per_process_sharding`, a collective. `process_allgather` (the fallback) would replicate it on every
-    local device (on CPU, host memory: one copy per device)."""
-    if getattr(x, "is_fully_addressable", True):
-        return np.ascontiguousarray(np.asarray(x))
-    if x.is_fully_replicated:  # every process has all of it already
-        return np.ascontiguousarray(np.asarray(x.addressable_data(0)))
-    target = _per_process_sharding(x)
-    if target is None:
-        from jax.experimental import multihost_utils
-
-        return np.ascontiguousarray(multihost_utils.process_allgather(x, tiled=True))
-    if target not in _GATHERS:  # one jitted identity per target sharding: compiled once per shape
-        _GATHERS[target] = jax.jit(_identity, out_shardings=target)
-    return _GATHERS[target](x)
-
-
-def _assemble(gathered: np.ndarray | jax.Array) -> np.ndarray:
-    if isinstance(gathered, np.ndarray):
-        return gathered
-    out = np.empty(gathered.shape, gathered.dtype)
-    for shard in gathered.addressable_shards:
-        out[shard.index] = np.asarray(shard.data)
-    return out
-
-
-def _host_parts(gathered: np.ndarray | jax.Array) -> Iterator[np.ndarray]:
-    """A `_gather` result's bytes in row-major order, as host arrays: its local shards one at a time when
-    they split the first axis (the host then never holds the whole tensor), else the assembled array."""
-    if isinstance(gathered, np.ndarray):
-        yield gathered
-        return
-    spec = gathered.sharding.spec
-    if all(a is None for a in spec):  # replicated on this process's devices: any one copy
-        yield np.ascontiguousarray(np.asarray(gathered.addressable_data(0)))
-        return
-    if spec[0] is None or any(a is not None for a in spec[1:]):
-        yield _assemble(gathered)
-        return
-    shards = {shard.index[0].start or 0: shard for shard in gathered.addressable_shards}
-    for start in sorted(shards):
-        yield np.ascontiguousarray(np.asarray(shards[start].data))
-
-
-_GATHERS: dict[NamedSharding, Callable[[jax.Array], jax.Array]] = {}
-
-
-def _identity(x: jax.Array) -> jax.Array:
-    return x
-
-
-def _per_process_sharding(x: jax.Array) -> NamedSharding | None:
-    """A sharding over `x`'s devices, in `x`'s device order, under which each process holds the whole of `x`
-    split across its local devices (the first axis they divide, else replicated on them); None when `x`'s
-    devices, in order, are not grouped by process with the same number each (then: `process_allgather`)."""
-    if not isinstance(x.sharding, NamedSharding) or not isinstance(x.sharding.mesh, Mesh):
-        return None
-    devices = np.asarray(x.sharding.mesh.devices).reshape(-1)
-    processes = sorted({d.process_index for d in devices})
-    if len(devices) % len(processes):
-        return None
-    grid = devices.reshape(len(processes), -1)
-    if any(len({d.process_index for d in row}) != 1 for row in grid):
-        return None
-    local = grid.shape[1]
-    axis = next((i for i, n in enumerate(x.shape) if n % local == 0), None)
-    spec = PartitionSpec() if axis is None else PartitionSpec(*([None] * axis), "_local")
-    return NamedSharding(Mesh(grid, ("_process", "_local")), spec)
-
-
 def state_to_hf(
     model: nnx.Module, *, dtype: Any = None, skip_quantized: bool = False
 ) -> dict[str, np.ndarray]:
@@ -284,110 +215,6 @@ def state_to_hf(
 
 
 MAX_LISTED = 12  # names per category in a mismatch error
-
-
-Placer = Callable[[nnx.Variable, views.View], None]
-
-
-def place_whole(var: nnx.Variable, view: views.View) -> None:
-    """Give `var` all of `view`, on the default device (a model nobody shards)."""
-    var.set_value(jnp.asarray(view.full(), dtype=var.get_value().dtype))
-
-
-def sharded_placer(mesh: Mesh, rules: Mapping[str, Any] | None = None,
-                   times: dict[str, float] | None = None) -> Placer:
-    """Give each variable its sharding from its logical axes (models/sharding.py), reading from its view only
-    the slices this process's devices hold, each once, on a thread pool, straight into the buffers the devices
-    then use. A variable whose view is a permutation of the checkpoint's layout (a Linear's kernel is its HF
-    weight transposed) is read in the checkpoint's order and permuted on the devices; its checkpoint-order
-    copy is freed before the next variable is read, so the load holds one variable beyond the model (letting
-    the next reads overlap the permutation measured no faster on 2 cores and held two). `times`, when given,
-    accumulates the seconds spent reading (dequantizing included), placing, and permuting."""
-    from models.sharding import RULES, named_sharding
-
-    rules = RULES if rules is None else rules
-    times = {} if times is None else times
-
-    def place(var: nnx.Variable, view: views.View) -> None:
-        names = var.get_metadata().get("out_sharding")
-        names = tuple(names) if names else (None,) * len(view.shape)
-        sharding = named_sharding(mesh, names, rules, view.shape)
-        dtype = np.dtype(var.get_value().dtype)
-        if isinstance(view, views.Permuted):  # read in the checkpoint's order; permute on the devices
-            spec = tuple(sharding.spec) + (None,) * (len(view.shape) - len(sharding.spec))
-            inner = [None] * len(view.axes)
-            for k, a in enumerate(view.axes):
-                inner[a] = spec[k]
-            raw = _from_view(view.base, NamedSharding(mesh, PartitionSpec(*inner)), dtype, times)
-            t = time.perf_counter()
-            out = _permute(view.axes, sharding)(raw)
-            jax.block_until_ready(out)
-            raw.delete()  # its host buffers go back to the system now
-            var.set_value(out)
-            _add(times, "layout", t)
-        else:
-            var.set_value(_from_view(view, sharding, dtype, times))
-
-    return place
-
-
-ALIGN = 64  # XLA's CPU client uses a host buffer this aligned in place (no copy) for a device's array
-MAPPED_BYTES = 1 << 20  # buffers this large get pages of their own
-
-
-def aligned_empty(shape: Sequence[int], dtype: np.dtype) -> np.ndarray:
-    """An uninitialized C-contiguous array whose data starts on an `ALIGN`-byte boundary. A large one is an
-    anonymous memory map, returned to the system the moment its last user lets go (from malloc, a freed 16 MB
-    slice raises glibc's mmap threshold and the next ones come from heaps that keep their pages)."""
-    nbytes = math.prod(shape) * dtype.itemsize
-    if nbytes >= MAPPED_BYTES:  # private (a shared one would be shmem, no huge pages: 15x slower to fault in)
-        mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        if hasattr(mmap, "MADV_HUGEPAGE"):  # 2 MB pages where the kernel does them on request (THP "madvise")
-            mm.madvise(mmap.MADV_HUGEPAGE)
-        return np.frombuffer(mm, dtype).reshape(shape)
-    raw = np.empty(nbytes + ALIGN, np.uint8)
-    skip = -raw.ctypes.data % ALIGN
-    return raw[skip:skip + nbytes].view(dtype).reshape(shape)
-
-
-def _pool() -> ThreadPoolExecutor:
-    global _POOL
-    if _POOL is None:
-        _POOL = ThreadPoolExecutor(max(2, min(16, os.cpu_count() or 2)), thread_name_prefix="forgeline-load")
-    return _POOL
-
-
-_POOL: ThreadPoolExecutor | None = None
-
-
-def _add(times: dict[str, float], key: str, since: float) -> None:
-    times[key] = times.get(key, 0.0) + time.perf_counter() - since
-
-
-def _from_view(view: views.View, sharding: Any, dtype: np.dtype, times: dict[str, float]) -> jax.Array:
-    """The array `view` describes, laid out by `sharding`: each distinct slice this process's devices hold read
-    once (in parallel, into an aligned buffer), then handed to the devices holding it without another copy
-    (XLA's CPU client uses an aligned host buffer in place)."""
-    t = time.perf_counter()
-    shape = tuple(view.shape)
-    keys = sorted({views.normalize(index, shape) for index in sharding.addressable_devices_indices_map(shape).values()})
-    buffers = [aligned_empty(views.extent(index), dtype) for index in keys]
-
-    def fill(k: int) -> None:
-        view.read_into(keys[k], buffers[k])
-
-    list(_pool().map(fill, range(len(keys))) if len(keys) > 1 else map(fill, range(len(keys))))
-    slices = dict(zip(keys, buffers, strict=True))
-    _add(times, "read", t)
-    t = time.perf_counter()
-    out = jax.make_array_from_callback(shape, sharding, lambda index: slices[views.normalize(index, shape)])
-    _add(times, "place", t)
-    return out
-
-
-@functools.lru_cache(maxsize=64)
-def _permute(axes: tuple[int, ...], sharding: Any) -> Callable[[jax.Array], jax.Array]:
-    return jax.jit(lambda x: jnp.transpose(x, axes), out_shardings=sharding)
 
 
 def hf_to_state(
@@ -624,59 +451,6 @@ def _abstract_model(read: tuple[str, dict[str, Any], Any, type], checkpoint: Saf
         quant.prepare_for_load(model, quant.read_scheme(qcfg, config_path), set(tensors))
         quant.prepare_kv_scales(model, quant.read_kv_cache_scheme(qcfg, config_path))  # FP8 KV cache
     return model, tensors
-
-
-SAFETENSORS_TAGS = {np.dtype(v): k for k, v in NUMPY_DTYPES.items()}
-
-
-class SafetensorsWriter:
-    """A safetensors file written one tensor at a time: the header (every name, dtype, shape and offset) is
-    known up front from the tensors' abstract shapes, so the data follows in order and at most one tensor
-    is on the host. Same format as safetensors' own writer (header padded to 8 bytes with spaces)."""
-
-    def __init__(self, path: str, entries: list[tuple[str, tuple[int, ...], np.dtype]], metadata: dict[str, str]):
-        header: dict[str, Any] = {"__metadata__": metadata}
-        offset = 0
-        for name, shape, dtype in entries:
-            n = math.prod(shape) * np.dtype(dtype).itemsize
-            header[name] = {"dtype": SAFETENSORS_TAGS[np.dtype(dtype)], "shape": list(shape),
-                            "data_offsets": [offset, offset + n]}
-            offset += n
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % 8)
-        self.path, self.pending = path, list(entries)
-        self.f = open(path, "wb")  # noqa: SIM115 (closed by close())
-        self.f.write(len(raw).to_bytes(8, "little") + raw)
-
-    def write(self, name: str, array: np.ndarray) -> None:
-        want_name, shape, dtype = self.pending.pop(0)
-        if (name, tuple(array.shape), np.dtype(array.dtype)) != (want_name, tuple(shape), np.dtype(dtype)):
-            raise ValueError(f"{self.path}: expected {want_name} {dtype}{list(shape)}, got {name} "
-                             f"{array.dtype}{list(array.shape)}")
-        self.f.write(memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8)))
-
-    def write_parts(self, name: str, shape: tuple[int, ...], dtype: np.dtype, parts: Iterator[np.ndarray]) -> None:
-        """The next tensor from consecutive row-major pieces of it (a tensor's shards along its first axis,
-        in order), written as they come."""
-        want_name, want_shape, want_dtype = self.pending[0]
-        if (name, tuple(shape), np.dtype(dtype)) != (want_name, tuple(want_shape), np.dtype(want_dtype)):
-            raise ValueError(f"{self.path}: expected {want_name} {want_dtype}{list(want_shape)}, got {name} "
-                             f"{np.dtype(dtype)}{list(shape)}")
-        self.pending.pop(0)
-        left = math.prod(shape) * np.dtype(dtype).itemsize
-        for part in parts:
-            data = np.ascontiguousarray(part).reshape(-1).view(np.uint8)
-            if part.dtype != np.dtype(dtype) or data.size > left:
-                raise ValueError(f"{self.path}: {name}: a part of {part.dtype}{list(part.shape)} does not fit")
-            self.f.write(memoryview(data))
-            left -= data.size
-        if left:
-            raise ValueError(f"{self.path}: {name}: {left} bytes never written")
-
-    def close(self) -> None:
-        self.f.close()
-        if self.pending:
-            raise ValueError(f"{self.path}: {len(self.pending)} tensors never written ({self.pending[0][0]} ...)")
 
 
 def save_pretrained(

@@ -371,3 +371,56 @@ class SafetensorsCheckpoint(Mapping):
 
     def __len__(self) -> int:
         return len(self.file_of)
+
+
+SAFETENSORS_TAGS = {np.dtype(v): k for k, v in NUMPY_DTYPES.items()}
+
+
+class SafetensorsWriter:
+    """A safetensors file written one tensor at a time: the header (every name, dtype, shape and offset) is
+    known up front from the tensors' abstract shapes, so the data follows in order and at most one tensor
+    is on the host. Same format as safetensors' own writer (header padded to 8 bytes with spaces)."""
+
+    def __init__(self, path: str, entries: list[tuple[str, tuple[int, ...], np.dtype]], metadata: dict[str, str]):
+        header: dict[str, Any] = {"__metadata__": metadata}
+        offset = 0
+        for name, shape, dtype in entries:
+            n = math.prod(shape) * np.dtype(dtype).itemsize
+            header[name] = {"dtype": SAFETENSORS_TAGS[np.dtype(dtype)], "shape": list(shape),
+                            "data_offsets": [offset, offset + n]}
+            offset += n
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
+        self.path, self.pending = path, list(entries)
+        self.f = open(path, "wb")  # noqa: SIM115 (closed by close())
+        self.f.write(len(raw).to_bytes(8, "little") + raw)
+
+    def write(self, name: str, array: np.ndarray) -> None:
+        want_name, shape, dtype = self.pending.pop(0)
+        if (name, tuple(array.shape), np.dtype(array.dtype)) != (want_name, tuple(shape), np.dtype(dtype)):
+            raise ValueError(f"{self.path}: expected {want_name} {dtype}{list(shape)}, got {name} "
+                             f"{array.dtype}{list(array.shape)}")
+        self.f.write(memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8)))
+
+    def write_parts(self, name: str, shape: tuple[int, ...], dtype: np.dtype, parts: Iterator[np.ndarray]) -> None:
+        """The next tensor from consecutive row-major pieces of it (a tensor's shards along its first axis,
+        in order), written as they come."""
+        want_name, want_shape, want_dtype = self.pending[0]
+        if (name, tuple(shape), np.dtype(dtype)) != (want_name, tuple(want_shape), np.dtype(want_dtype)):
+            raise ValueError(f"{self.path}: expected {want_name} {want_dtype}{list(want_shape)}, got {name} "
+                             f"{np.dtype(dtype)}{list(shape)}")
+        self.pending.pop(0)
+        left = math.prod(shape) * np.dtype(dtype).itemsize
+        for part in parts:
+            data = np.ascontiguousarray(part).reshape(-1).view(np.uint8)
+            if part.dtype != np.dtype(dtype) or data.size > left:
+                raise ValueError(f"{self.path}: {name}: a part of {part.dtype}{list(part.shape)} does not fit")
+            self.f.write(memoryview(data))
+            left -= data.size
+        if left:
+            raise ValueError(f"{self.path}: {name}: {left} bytes never written")
+
+    def close(self) -> None:
+        self.f.close()
+        if self.pending:
+            raise ValueError(f"{self.path}: {len(self.pending)} tensors never written ({self.pending[0][0]} ...)")
