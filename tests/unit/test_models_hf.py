@@ -144,6 +144,44 @@ def test_a_tensor_written_in_row_blocks_is_the_tensor_written_whole(tmp_path):
             "a", (6, 4), np.float16, iter([a.astype(np.float16)]))
 
 
+def test_slices_that_split_the_same_rows_are_read_once_per_row_block():
+    """Device slices that share their leading rows and split the other axes (an expert stack sharded on its
+    on-disk last axis) are filled from one read of each block of rows, then scattered; slices that do not
+    tile a box are read one by one. Either way every buffer holds its slice."""
+    from models import views
+    from models.transfer import _read_tasks, _read_tiles
+
+    full = np.arange(6 * 8 * 10, dtype=np.float32).reshape(6, 8, 10)
+
+    class Counted(views.Array):
+        reads: list = []
+
+        def read_into(self, index, out):
+            Counted.reads.append(index)
+            out[...] = full[tuple(slice(a, b) for a, b in index)]
+
+    view = Counted(full)
+    for keys, grouped in (
+        ([((0, 3), (0, 8), (0, 5)), ((0, 3), (0, 8), (5, 10)), ((3, 6), (0, 8), (0, 5)), ((3, 6), (0, 8), (5, 10))],
+         True),
+        ([((0, 6), (0, 4), (0, 10)), ((0, 6), (4, 8), (0, 10))], True),
+        ([((0, 6), (0, 8), (0, 4)), ((0, 6), (0, 8), (6, 10))], False),  # a gap: no box to read once
+        ([((0, 3), (0, 8), (0, 10)), ((3, 6), (0, 8), (0, 10))], False),  # rows split already: contiguous
+    ):
+        Counted.reads = []
+        buffers = [np.zeros([b - a for a, b in key], np.float32) for key in keys]
+        tasks = _read_tasks(keys, 4)
+        for rows, members in tasks:
+            if rows is None:
+                view.read_into(keys[members[0]], buffers[members[0]])
+            else:
+                _read_tiles(view, rows, [keys[m] for m in members], [buffers[m] for m in members])
+        for key, buffer in zip(keys, buffers, strict=True):
+            np.testing.assert_array_equal(buffer, full[tuple(slice(a, b) for a, b in key)])
+        assert all(rows is not None for rows, _ in tasks) == grouped
+        assert len(Counted.reads) == (len({k[0] for k in keys}) if grouped else len(keys))
+
+
 def test_remote_checkpoints_are_read_by_ranges_never_copied_whole(saved, tmp_path, monkeypatch):
     """A checkpoint at a URL (memory:// here, s3:// in tests/integration) loads through ranged reads of its
     files: no download of the folder, and every byte counted once. Saving goes through storage.upload_dir."""
