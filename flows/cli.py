@@ -109,10 +109,11 @@ def _preflight(recipe: str, overrides: list[str], store: str, allow_weaker_gates
         _fail(e.strerror or _first_line(e))
     corpora = (("base.data.corpus", cfg.base.data), ("data.corpus", cfg.data),
                ("refresh.data.corpus", cfg.refresh.data))
+    listed: dict[str, list[str]] = {}
     for field, url in (*((f, d.corpus) for f, d in corpora), ("base.url", cfg.base.url)):
         if url and not url.startswith("builtin://"):
             try:
-                storage.list_files(url)
+                listed[field] = storage.list_files(url)
             except (FileNotFoundError, storage.StorageKeyError):
                 _fail(f"{field}: no such file or folder: {url}")
             except Exception as e:  # an unreachable endpoint, refused credentials
@@ -133,10 +134,10 @@ def _preflight(recipe: str, overrides: list[str], store: str, allow_weaker_gates
     if cfg.base.url is not None:
         from tasks.base_model import check_base
 
-        try:
-            check_base(cfg.base.url)  # the listing, tokenizer and safetensors headers: no weight is read
-        except (ValueError, storage.StorageKeyError) as e:
-            _fail(_first_line(e) if str(e).startswith("base.url:") else f"base.url: {_first_line(e)}")
+        try:  # the listing's keys, the tokenizer and the safetensors headers: no weight is read
+            check_base(cfg.base.url, listed["base.url"])
+        except ValueError as e:
+            _fail(_first_line(e))
         except Exception as e:  # an endpoint that stopped answering, refused credentials
             _fail(f"base.url: cannot read {cfg.base.url} ({_first_line(e)})")
     if cfg.execution.mode == "workers":

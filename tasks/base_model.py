@@ -80,21 +80,21 @@ def import_checkpoint(url: str, out_dir: Path) -> dict[str, Any]:
         raise ValueError(f"base.url: {msg.replace(str(local), storage.normalize_url(url))}") from None
 
 
-def check_base(url: str) -> None:
-    """`import_checkpoint`'s checks made on `url` in place, reading only its listing, config.json, the tokenizer
-    files and the safetensors headers, never a weight: what `forgeline release` runs before Prefect starts, so a
-    broken checkpoint is one error line within seconds rather than a failed stage. The stage still checks the
-    copy it imports (and the contents of quantized modules, which only a load reads). Raises ValueError (or
-    storage.StorageKeyError) prefixed `base.url:`, naming the user's URL or file."""
+def check_base(url: str, files: list[str] | None = None) -> None:
+    """`import_checkpoint`'s checks made on `url` in place, reading only its listing (`files`, when the caller
+    listed it already), config.json, the tokenizer files and the safetensors headers, never a weight: what
+    `forgeline release` runs before Prefect starts, so a broken checkpoint is one error line within seconds
+    rather than a failed stage. The stage still checks the copy it imports (and the contents of quantized
+    modules, which only a load reads). Raises ValueError prefixed `base.url:`, naming the user's URL or file."""
     base = storage.normalize_url(url)
     nowhere = Path(tempfile.gettempdir()) / "forgeline-base-check" / "model"  # never created: keys are only checked
-    names = set()
-    for file_url in storage.list_files(base):
-        rel = file_url[len(base):].lstrip("/")
-        storage.local_file(nowhere, rel, source=base)  # the refusal download_dir would make of a crafted key
-        names.add(rel)
     local = storage.local_path(base)
     try:
+        names = set()
+        for file_url in storage.list_files(base) if files is None else files:
+            rel = file_url[len(base):].lstrip("/")
+            storage.local_file(nowhere, rel, source=base)  # the refusal download_dir would make of a crafted key
+            names.add(rel)
         _check_files(base, names)
         try:
             model = models.check_pretrained(base)
@@ -105,7 +105,7 @@ def check_base(url: str) -> None:
         _check_tokenizer(storage.read_bytes(tokenizer).decode("utf-8", errors="replace"), tokenizer,
                          storage.read_bytes(tok_cfg) if "tokenizer_config.json" in names else None, tok_cfg,
                          model.config.vocab_size)
-    except (ValueError, NotImplementedError, KeyError) as e:
+    except (ValueError, NotImplementedError, KeyError) as e:  # StorageKeyError is a ValueError
         raise ValueError(f"base.url: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
 
 
