@@ -674,5 +674,14 @@ def stack_down(dir: StackDir = Path(".forgeline-stack"),
     print("stopped: " + ", ".join(stopped))
 
 
-if __name__ == "__main__":
+def main() -> None:
+    """The `forgeline` console script: the process re-executes itself once with glibc's huge-page tunable
+    (tasks/host_memory.py: XLA:CPU's per-step temporaries stop costing a page fault per 4 KiB), then runs."""
+    from tasks.host_memory import reexec_tuned
+
+    reexec_tuned()
     app()
+
+
+if __name__ == "__main__":
+    main()

@@ -43,6 +43,8 @@ from typing import Any
 
 import yaml
 
+from tasks.host_memory import tuned_environ
+
 log = logging.getLogger("forgeline.stack")
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -347,6 +349,7 @@ def start_worker(state: dict[str, Any], pool: str, name: str) -> dict[str, Any]:
     env = {**_prefect_env(state["prefect"]["api_url"], root / "prefect-home"), **state["s3"]["env"],
            "FORGELINE_WORKDIR": str(work / "scratch"), "PYTHONPATH": str(ROOT),
            "PREFECT_WORKER_QUERY_SECONDS": "2"}  # pick a new stage run up within 2 s (Prefect's default: 10)
+    env = tuned_environ(env) or env  # flow runs compute in the worker's children: huge pages for XLA's temporaries
     proc = _spawn([prefect, "worker", "start", "--pool", pool, "--type", "process", "--name", name, *limit],
                   work / "worker.log", env, cwd=ROOT)
     return {"pid": proc.pid, "pool": pool, "name": name, "log": str(work / "worker.log")}

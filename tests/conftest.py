@@ -45,6 +45,7 @@ atexit.register(shutil.rmtree, os.environ["FORGELINE_WORKDIR"], ignore_errors=Tr
 # same program at once may see the other's half-written entry; JAX then warns and compiles it itself.
 # A compilation cache folder the user exported (`JAX_COMPILATION_CACHE_DIR`) is used as it is.
 from tasks.cli import configure_jax  # noqa: E402
+from tasks.host_memory import tuned_environ  # noqa: E402
 
 
 def _known_xla_flags(flags: str) -> list[str]:
@@ -74,6 +75,10 @@ if "FORGELINE_TEST_RUN" not in os.environ:  # the run's first process; its worke
     # slower, which programs that run for milliseconds do not feel. Same math; FMA contraction may differ, as at
     # -O0. XLA aborts the process on a flag it does not know, so the flag is kept only if this jaxlib accepts it.
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {' '.join(_known_xla_flags(TEST_XLA_FLAGS))}".strip()
+    # The host-memory setting the `forgeline` command runs under (tasks/host_memory.py: glibc backs XLA's large
+    # temporaries with huge pages): the xdist workers and every process the tests start inherit it, so tests
+    # run the programs as users do. This first process started without it; it only collects and reports.
+    os.environ.update(tuned_environ(os.environ) or {})
 configure_jax()
 
 

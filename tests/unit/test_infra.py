@@ -239,7 +239,7 @@ def test_dockerfile_installs_the_project_as_a_non_root_python_312_image():
     assert found >= {"flows", "tasks", "models", "storage", "models.quant", "models.quant.formats", "models.presets",
                      "models.eagle3", "tasks.training", "tasks.data"}, found
     assert not {p for p in found if p.split(".")[0] in {"tests", "benchmarks"}}, found
-    assert project["project"]["scripts"]["forgeline"] == "flows.cli:app"
+    assert project["project"]["scripts"]["forgeline"] == "flows.cli:main"
     assert args["PREFECT_VERSION"] == _prefect_yaml()["prefect-version"]
 
 
