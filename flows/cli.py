@@ -234,6 +234,7 @@ def _check_quantize(cfg) -> None:
 
     import storage
     from models import families
+    from models.config_schema import check_sizes
     from tasks.base_model import shape_config
     from tasks.quantize import check_fits
 
@@ -252,7 +253,9 @@ def _check_quantize(cfg) -> None:
             _fail(f"base.url: {source}: cannot read config ({_first_line(e)})")
         try:
             config_cls, model_cls = families.resolve(raw, source)
+            check_sizes(raw, source)
             config = config_cls.from_hf(raw)
+            check_sizes(config, source)
         except KeyError as e:
             _fail(f"base.url: {source}: missing key {e.args[0]!r}")
         except (ValueError, TypeError, NotImplementedError) as e:

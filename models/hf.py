@@ -43,6 +43,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from models import families, pruning, quant, views
+from models.config_schema import check_sizes
 from models.layers import Buffer, Embed, Linear, QuantScale, RMSNorm, hf_name
 from models.quant.formats import DequantizingCheckpoint
 from models.safetensors_io import (  # noqa: F401  (re-exported: callers import the file layer from here too)
@@ -420,12 +421,16 @@ def _read_config(path_or_url: str, layers: Sequence[int] | None) -> tuple[str, d
     if layers is not None:
         cfg_dict = pruning.select_layers(cfg_dict, layers)
     config_cls, model_cls = families.resolve(cfg_dict, config_path)
+    check_sizes(cfg_dict, config_path)  # what the user wrote, before any arithmetic on it
     try:
         config = config_cls.from_hf(cfg_dict)
     except KeyError as e:
         raise ValueError(f"{config_path}: missing key {e.args[0]!r}") from None
     except (TypeError, ZeroDivisionError) as e:
         raise ValueError(f"{config_path}: malformed config ({type(e).__name__}: {e})") from None
+    except ValueError as e:  # the family's own checks, named by the file they read
+        raise ValueError(f"{config_path}: {str(e).removeprefix('config.json: ')}") from None
+    check_sizes(config, config_path)  # and what the family derived from it (head_dim, defaults)
     return config_path, cfg_dict, config, model_cls
 
 

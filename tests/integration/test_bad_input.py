@@ -381,6 +381,20 @@ def case_base_config_missing_key(d, ctx):
     return sets(f"base.url=file://{d}/base")
 
 
+@case("a base config with an impossible size (`hidden_size: -64`)",
+      "base.url: file://{dir}/base/config.json: hidden_size -64: must be a positive integer")
+def case_base_impossible_size(d, ctx):
+    edit_config(base_copy(d, ctx), hidden_size=-64)  # JAX's shape check once failed on it with a traceback
+    return sets(f"base.url=file://{d}/base")
+
+
+@case("a base config with a fractional layer count (`num_hidden_layers: 2.5`)",
+      "base.url: file://{dir}/base/config.json: num_hidden_layers 2.5: must be a positive integer")
+def case_base_fractional_size(d, ctx):
+    edit_config(base_copy(d, ctx), num_hidden_layers=2.5)
+    return sets(f"base.url=file://{d}/base")
+
+
 @case("a truncated safetensors file (an interrupted download)", "base.url: file://{dir}/base/model.safetensors: "
       "truncated safetensors")
 def case_base_truncated_weights(d, ctx):

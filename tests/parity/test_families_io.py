@@ -23,6 +23,7 @@ import transformers
 from parity_helpers import build_from_config, hf_logits, rel_err, set_expert_impl, tiny_configs
 
 from models import check_pretrained, from_pretrained, jit_forward, save_pretrained
+from models.config_schema import NONNEGATIVE_INT, POSITIVE_FLOAT, POSITIVE_INT
 from models.families import ARCHITECTURES
 from tests.devices import cpu_devices_env
 
@@ -70,6 +71,42 @@ def test_transformers_checkpoints_pass_the_header_check_without_a_tensor_read(ch
     hf, path = checkpoints[arch]
     refuse_tensor_reads(monkeypatch)
     assert check_pretrained(path).config.vocab_size == hf.config.vocab_size
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_an_impossible_size_in_config_json_is_refused_naming_the_key(checkpoints, tmp_path, monkeypatch, arch):
+    """Every sizing field the family's config.json holds, made negative, zero, fractional, a string or a bool,
+    is refused by name before a model is built (JAX once failed on such shapes with a traceback); so is a
+    top-k above the expert count. The untouched config still passes."""
+    from tests.unit.test_models_hf import refuse_tensor_reads
+
+    hf, path = checkpoints[arch]
+    refuse_tensor_reads(monkeypatch)
+    raw = json.loads(open(os.path.join(path, "config.json")).read())
+    folder = tmp_path / "edited"
+    folder.mkdir()
+    for name in os.listdir(path):
+        if name != "config.json":
+            os.symlink(os.path.join(path, name), folder / name)
+
+    def refused(**changes) -> str:
+        (folder / "config.json").write_text(json.dumps({**raw, **changes}))
+        with pytest.raises(ValueError) as e:
+            check_pretrained(str(folder))
+        return str(e.value)
+
+    keys = [k for k in (*POSITIVE_INT, *NONNEGATIVE_INT) if isinstance(raw.get(k), int)]
+    assert {"vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"} <= set(keys)
+    for key in keys:
+        for bad in ([-1, 2.5, "8", True] + ([0] if key in POSITIVE_INT else [])):
+            assert refused(**{key: bad}).startswith(f"{folder}/config.json: {key} {bad!r}: must be"), (key, bad)
+    for key in (k for k in POSITIVE_FLOAT if k in raw):
+        assert refused(**{key: -1.0}).startswith(f"{folder}/config.json: {key} -1.0: must be a positive number")
+    experts = next((k for k in ("num_experts", "n_routed_experts", "num_local_experts") if raw.get(k)), None)
+    if experts is not None:
+        assert "more than the" in refused(num_experts_per_tok=raw[experts] + 1)
+    (folder / "config.json").write_text(json.dumps(raw))
+    assert check_pretrained(str(folder)).config.vocab_size == hf.config.vocab_size
 
 
 def header(path) -> dict[str, dict]:
