@@ -77,7 +77,7 @@ if "FORGELINE_TEST_RUN" not in os.environ:  # the run's first process; its worke
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {' '.join(_known_xla_flags(TEST_XLA_FLAGS))}".strip()
     # The host-memory setting the `forgeline` command runs under (tasks/host_memory.py: glibc backs XLA's large
     # temporaries with huge pages): the xdist workers and every process the tests start inherit it, so tests
-    # run the programs as users do. This first process started without it; it only collects and reports.
+    # run the programs as users do. This first process started without it (with `-n 0` it runs the tests so).
     os.environ.update(tuned_environ(os.environ) or {})
 configure_jax()
 
