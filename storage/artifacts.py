@@ -8,7 +8,10 @@ The commit protocol (the same idea as Orbax's commit-file mode and Hadoop's `_SU
 3. `manifest.json` (kind, files with sha256 and size, config, inputs, code version, time, metrics)
    is written **last** as one object -- the commit point. A folder without a manifest does not
    exist for readers, and is cleared before the next attempt writes into it (under the stage's
-   lease, `storage.leases`, so that only one process ever writes a prefix);
+   lease, `storage.leases`, so that only one process ever writes a prefix). Under a lease the
+   manifest is written by `Lease.publish`: an exclusive create that the store itself refuses once the
+   lease was taken over (a fencing token, not a check just before the write), so a holder that
+   paused past its expiry never publishes over the holder that took over;
 4. readers trust only prefixes whose manifest parses; every read of an artifact's files checks them
    against the manifest (`fetch`), and `audit`/`verify` re-hash them on demand;
 5. promotion is a single-object overwrite of a pointer file (`pointers/<name>.json`).
@@ -35,7 +38,7 @@ import os
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from functools import cache
 from pathlib import Path
@@ -300,19 +303,23 @@ class Store:
         inputs: Iterable[ArtifactRef] = (),
         metadata: dict[str, Any] | None = None,
         volatile: Iterable[str] = (),
-        fence: Callable[[], None] | None = None,
+        lease: Lease | None = None,
         code_version: str = "",
         source_version: str | None = None,
     ) -> ArtifactRef:
         """Upload `local_dir` to `<kind>/<fp>/` and write the manifest last. Returns the new ref.
 
         Files matching a `volatile` glob are measurements of this run (listed and hashed, left out of the
-        digest). `fence` is called just before the manifest is written and may raise to stop the commit
-        (a lease that was lost)."""
+        digest). Under a `lease` (the stage's, held by this process) the lease is checked before the
+        prefix is cleared and the files uploaded, and the manifest is written with `lease.publish`: the
+        store refuses it, with LeaseLost, once another process took the lease over, however long this
+        one paused. Without a lease the manifest is one plain overwrite."""
         prefix = self.prefix(kind, fp)
         existing = self.lookup(kind, fp)
         if existing is not None:
             return existing  # someone committed the same content first: content-addressed, so equal
+        if lease is not None:
+            lease.check()  # a holder that lost its lease clears and uploads nothing (early, not fenced)
         fs.rm(prefix)  # leftovers of an attempt that died before its manifest
         files: dict[str, dict[str, Any]] = {}
         measured: dict[str, dict[str, Any]] = {}
@@ -343,9 +350,11 @@ class Store:
             "metadata": metadata or {},
         }
         manifest["digest"] = content_digest(manifest)
-        if fence is not None:
-            fence()
-        fs.write_bytes(fs.join(prefix, MANIFEST), json.dumps(manifest, indent=1, sort_keys=True).encode())
+        body = json.dumps(manifest, indent=1, sort_keys=True).encode()
+        if lease is not None:
+            lease.publish(fs.join(prefix, MANIFEST), body)
+        else:
+            fs.write_bytes(fs.join(prefix, MANIFEST), body)
         ref = self.load(prefix)
         assert ref is not None
         return ref

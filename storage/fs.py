@@ -13,6 +13,7 @@ Everything here works on whole URLs; `storage.artifacts` builds the commit proto
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import posixpath
@@ -157,10 +158,18 @@ def write_bytes(url: str, data: bytes) -> None:
 
 
 def create_bytes(url: str, data: bytes) -> bool:
-    """Write `url` only if no object is there yet (S3 `If-None-Match: *`, O_EXCL locally): True when this
-    call created it, False when it already existed. The store's one compare-and-set, used by leases."""
+    """Write `url` only if no object is there yet: True when this call created it, False when it already
+    existed. The store's one compare-and-set, used by leases and their fenced commits (storage.leases).
+
+    The object appears whole or not at all, so a reader never sees it half-written: S3 `PutObject` with
+    `If-None-Match: *` (https://docs.aws.amazon.com/AmazonS3/latest/userguide/conditional-writes.html);
+    on local disk the bytes go to a hidden temporary file that is then hard-linked to the name, and
+    link(2) fails when the name exists (https://pubs.opengroup.org/onlinepubs/9699919799/functions/link.html;
+    an `O_EXCL` create would show readers an empty file until its bytes are written); `memory://` checks
+    and stores under a process lock (the store lives in this process)."""
     fs_, path = _fs(url)
-    if scheme_of(url) == "s3":
+    scheme = scheme_of(url)
+    if scheme == "s3":
         try:
             fs_.pipe_file(path, data, mode="create")
         except FileExistsError:
@@ -171,15 +180,29 @@ def create_bytes(url: str, data: bytes) -> bool:
                 return False
             raise
         return True
+    if scheme == "memory":
+        with _MEMORY_CREATE:
+            if fs_.exists(path):
+                return False
+            fs_.pipe_file(path, data)
+        return True
     parent = posixpath.dirname(path)
     if parent:
         fs_.makedirs(parent, exist_ok=True)
+    tmp = posixpath.join(parent, f".{posixpath.basename(path)}.{uuid.uuid4().hex}.tmp")
     try:
-        with fs_.open(path, "xb") as f:
+        with open(tmp, "wb") as f:
             f.write(data)
+        os.link(tmp, path)
     except FileExistsError:
         return False
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
     return True
+
+
+_MEMORY_CREATE = threading.Lock()
 
 
 def check_store(url: str) -> None:

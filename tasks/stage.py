@@ -1,7 +1,7 @@
 """The one way a stage runs: fingerprint -> skip if committed -> take the stage's lease (or wait for the
 process that holds it) -> fetch inputs (checked against their manifests) -> compute locally -> commit
-(files first, manifest last, only while the lease is still held). `run_once` is that protocol for any
-work function; tasks/registry.py runs the registered stages through it.
+(files first, manifest last, fenced by the lease: the store refuses it once the lease was taken over).
+`run_once` is that protocol for any work function; tasks/registry.py runs the registered stages through it.
 
 Pipeline steps are plain functions at hashed paths, as in marin: a stage's output address is the
 fingerprint of (stage kind, canonical config, the version of the stage's own code -- tasks/code.py --,
@@ -293,7 +293,7 @@ def _compute_and_commit(store: Store, kind: str, fp: str, config: BaseModel | Ma
         metadata = {**metadata, "seconds": round(time.perf_counter() - t0, 2)}
         raise_if_interrupted()  # an interrupt the work's own code swallowed: nothing is committed after it
         ref = store.commit(staging, kind, fp, config=config_dict(config), inputs=inputs.values(), metadata=metadata,
-                           volatile=VOLATILE, fence=lease.check, code_version=code,
+                           volatile=VOLATILE, lease=lease, code_version=code,
                            source_version=source_version())
         # The committed artifact supersedes the stage's resumable side state (training checkpoints,
         # finished trace shards), in the store and on local disk: without this, offline hidden states would

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import base64
 import json
+import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -157,6 +160,155 @@ def test_expired_lease_is_taken_over_and_the_old_holder_is_fenced(root, monkeypa
     old.release()
     new.check()  # the old holder's release did not touch the new generation
     new.release(remove=True)
+
+
+def test_create_bytes_has_one_winner_under_a_race(root):
+    """Eight threads create the same key at once, three times: exactly one wins each time and the object
+    holds the winner's bytes, whole (the fence of a lease rests on this)."""
+
+    def create(url: str, i: int, start: threading.Barrier, wins: list[int]) -> None:
+        start.wait()
+        if storage.create_bytes(url, f"writer {i} ".encode() * 100):
+            wins.append(i)  # list.append is atomic under the GIL
+
+    for attempt in range(3):
+        url = storage.join(root, f"race-{uuid.uuid4().hex[:6]}/k.json")
+        start, wins = threading.Barrier(8), []
+        threads = [threading.Thread(target=create, args=(url, i, start, wins)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert len(wins) == 1, f"attempt {attempt}: {len(wins)} winners"
+        assert storage.read_bytes(url) == f"writer {wins[0]} ".encode() * 100
+
+
+class _Paused:
+    """Runs `store.commit(..., lease=holder)` in a thread that stops right after the lease check inside
+    `Lease.publish` (past every check, before the manifest write reaches the store) until `resume()`."""
+
+    def __init__(self, store: Store, holder: storage.Lease, staged: Path, fp: str):
+        self.at_write, self._go = threading.Event(), threading.Event()
+        self.ref: storage.ArtifactRef | None = None
+        self.error: BaseException | None = None
+        check = holder.check
+
+        def check_then_pause() -> None:
+            check()
+            if sys._getframe(1).f_code.co_name == "publish":  # the check that guards the manifest write
+                self.at_write.set()
+                assert self._go.wait(120), "never resumed"
+
+        holder.check = check_then_pause
+
+        def commit() -> None:
+            try:
+                self.ref = store.commit(staged, "demo", fp, config={}, lease=holder)
+            except BaseException as e:
+                self.error = e
+
+        self.thread = threading.Thread(target=commit, name="paused-holder")
+        self.thread.start()
+        assert self.at_write.wait(120), f"the holder never reached its manifest write ({self.error!r})"
+
+    def resume(self) -> None:
+        self._go.set()
+        self.thread.join(120)
+        assert not self.thread.is_alive()
+
+
+@pytest.mark.parametrize("wakes", ["before the newer commit", "after the newer commit", "after the lease is removed"])
+def test_a_paused_holder_cannot_publish_over_the_holder_that_took_over(root, tmp_path, monkeypatch, wakes):
+    """Kleppmann's fencing scenario: holder 1 passes its lease check, pauses before its manifest write,
+    sleeps through its expiry; holder 2 takes over and commits (or is still computing). When holder 1
+    wakes, the store refuses its commit (LeaseLost) and holder 2's manifest is the one that stands. With a
+    check-then-write commit, holder 1's manifest would land over or before holder 2's."""
+    from storage import leases
+
+    store = Store(root, cache_dir=tmp_path / "cache")
+    fp = fingerprint("demo", {"fenced": wakes}, [])
+    old = store.lease("demo", fp)
+    assert old.try_acquire()
+    old._stop.set()  # a frozen holder does not heartbeat
+    old._thread.join()
+    paused = _Paused(store, old, _stage_dir(tmp_path, {"w.bin": b"old holder", "old-only.bin": b"o"}), fp)
+    try:
+        expires_at = old._read(old.generation)["expires_at"]
+        monkeypatch.setattr(leases, "_clock", lambda: expires_at + 1.0)  # holder 1 slept through its expiry
+        new = store.lease("demo", fp)
+        assert new.try_acquire() and new.generation == old.generation + 1
+        staged = _stage_dir(tmp_path, {"w.bin": b"new holder"})
+        if wakes == "before the newer commit":
+            paused.resume()
+            assert store.lookup("demo", fp) is None  # holder 1 published nothing, not even before holder 2
+            ref = store.commit(staged, "demo", fp, config={}, lease=new)
+            new.check()  # its own commit does not count as a takeover
+        else:
+            ref = store.commit(staged, "demo", fp, config={}, lease=new)
+            new.release(remove=wakes == "after the lease is removed")
+            paused.resume()
+    finally:
+        paused.resume()
+    assert isinstance(paused.error, storage.LeaseLost), paused.error
+    assert paused.ref is None
+    assert store.lookup("demo", fp) == ref
+    assert set(store.manifest(ref)["files"]) == {"w.bin"}
+    store.verify(ref)
+    assert (store.fetch(ref) / "w.bin").read_bytes() == b"new holder"
+    if wakes == "after the lease is removed":  # holder 1 withdrew the fence it made in the removed folder
+        with pytest.raises(FileNotFoundError):
+            storage.list_files(storage.join(root, f"leases/demo/{fp}"), hidden=True)
+    old.release()
+    if new.generation is not None:
+        new.release(remove=True)
+
+
+def test_a_commit_decided_by_its_fence_is_completed_by_the_next_process(root, tmp_path, monkeypatch):
+    """A holder whose fence says "committed" but which stopped before writing its manifest: the next
+    process to find the lease free writes the recorded manifest instead of taking the lease over (and
+    recomputing over the files the commit names)."""
+    from storage import leases
+
+    store = Store(root, cache_dir=tmp_path / "cache")
+    fp = fingerprint("demo", {"rolled": 1}, [])
+    holder = store.lease("demo", fp)
+    assert holder.try_acquire()
+    create = leases.fs.create_bytes
+
+    def store_goes_away_at_the_manifest(url: str, data: bytes) -> bool:
+        if url.endswith("/" + storage.MANIFEST):
+            raise ConnectionError("the store went away")
+        return create(url, data)
+
+    monkeypatch.setattr(leases.fs, "create_bytes", store_goes_away_at_the_manifest)
+    with pytest.raises(ConnectionError):
+        store.commit(_stage_dir(tmp_path, {"w.bin": b"w"}), "demo", fp, config={}, lease=holder)
+    monkeypatch.setattr(leases.fs, "create_bytes", create)
+    holder.release()  # what run_once does on an error
+    assert store.lookup("demo", fp) is None
+    taker = store.lease("demo", fp)
+    assert not taker.try_acquire()  # generation 1 committed: not taken over ...
+    ref = store.lookup("demo", fp)  # ... but published
+    assert ref is not None and set(store.manifest(ref)["files"]) == {"w.bin"}
+    store.verify(ref)
+    assert not taker.try_acquire()
+
+
+def test_a_crafted_fence_cannot_make_a_taker_write_outside_the_lease(root):
+    """A fence record is store content: one that "commits" a key outside the lease's own name counts as
+    superseded, so the lease is taken over and nothing is written at that key."""
+    name = f"demo/crafted-{uuid.uuid4().hex[:6]}"
+    folder = storage.join(root, f"leases/{name}")
+    storage.write_bytes(storage.join(folder, "0000000001.json"), json.dumps({"token": "t", "expires_at": 0}).encode())
+    record = {"outcome": "committed", "token": "t", "key": "pointers/releases/evil.json",
+              "data": base64.b64encode(b'{"ref": "owned"}').decode()}
+    storage.write_bytes(storage.join(folder, "0000000001.fence"), json.dumps(record).encode())
+    lease = storage.Lease(root, name, ttl=30)
+    assert lease.try_acquire() and lease.generation == 2
+    assert not storage.exists(storage.join(root, "pointers/releases/evil.json"))
+    with pytest.raises(StorageKeyError, match="lease's own keys"):
+        lease.publish(storage.join(root, "pointers/releases/evil.json"), b"{}")
+    lease.release(remove=True)
 
 
 def test_lease_of_a_dead_process_on_this_host_is_free_at_once(root):
