@@ -5,9 +5,9 @@ is a standard-library function's `def` line through the end of its docstring, de
 its body. The checker judges the prompts of functions that can be checked on their own: module-level functions
 (not methods, not nested functions; not decorated either, since the prompt carries no decorators) of an
 importable module whose docstring holds doctest examples (`>>>`). It runs those examples, as written in the
-prompt, against the generated function in its own module, in the sandbox (tasks/checkers/sandbox.py), and
-scores 1.0 when they all pass; the share that passed when the harness reported some failures (partial
-credit, a dense reward for RL); 0.0 when it reported nothing.
+prompt, against the generated function in its own module, in the sandbox (tasks/checkers/sandbox.py), judges
+their output in the worker, and scores 1.0 when they all pass; the share that passed otherwise (partial credit,
+a dense reward for RL); 0.0 when the run reported nothing.
 
 Which prompts apply (`applies`, `targets`): an index from prompt text to `Target` (module, function, the
 reference body), built once per process from this interpreter's `stdlib_files()` (a few seconds: only files
@@ -21,49 +21,50 @@ ceiling (70 of the 76 functions `applies` accepts on CPython 3.11.7). The prompt
 interpreter's standard library: a corpus packed under another Python version holds prompts this index may not
 know (they do not apply).
 
-What one `score` runs, in a child process confined by `run_python` (standard library only; wall 10 s, CPU 5 s,
-512 MB: `LIMITS`), the harness being `_harness` shipped as source:
+What one `score` runs. The worker parses the prompt's docstring with `doctest.DocTestParser` and keeps its
+examples (those not marked SKIP, each with its option flags: `OPTIONFLAGS`, doctest.testmod's default, none,
+with the example's own directives such as `# doctest: +ELLIPSIS` merged in, as DocTestRunner does). Only their
+sources go to a child process confined by `run_python` (standard library only; wall 10 s, CPU 5 s, 512 MB:
+`LIMITS`), where the harness, `_harness` shipped as source:
 
-1. read the parent's nonce (random, fresh per call) from stdin, the only reader of stdin, into a local of the
-   harness's frame, before anything untrusted runs; take the runner's `doctest` module and drop it from
-   `sys.modules`, so that generated code importing `doctest` gets a copy of its own, not the runner's classes;
-2. import the function's module and `exec` the prompt + completion in the module's own namespace, so that the
+1. moves the report to a descriptor of its own (a `dup` of fd 1) and points fd 1 at stderr, before anything
+   untrusted runs: what the code prints outside the examples never reaches the report's channel;
+2. imports the function's module and `exec`s the prompt + completion in the module's own namespace, so that the
    new function replaces the original there (the module attribute, which examples that call `module.func` and
    the module's other functions look up) and has the original's globals (a body with `global x` changes the
-   module, as the original does; a copy of the namespace would swallow that). Then require that the name holds
+   module, as the original does; a copy of the namespace would swallow that). Then requires that the name holds
    the function the prompt's `def` made (line 1 of that source: a completion that rebinds the name, e.g. to
    the original, is refused);
-3. parse the prompt's docstring with `doctest.DocTestParser` and run its examples with `doctest.DocTestRunner`
-   in globs = a copy of the module's namespace, as `doctest.testmod` does, plus the module's top-level package
-   under its own name if the module has no global of that name (`textwrap.shorten`'s examples call
-   `textwrap.shorten(...)`); option flags `OPTIONFLAGS`, doctest.testmod's default, none (directives in the
-   examples, such as `# doctest: +ELLIPSIS`, still apply; every reference that passes with ELLIPSIS and
-   NORMALIZE_WHITESPACE passes without them); the failure reports go to stderr;
-4. as its last act, print `<nonce> <attempted> <failed>`.
+3. runs each example as `doctest.DocTestRunner` does (compiled in "single" mode with the module's `__future__`
+   flags, in globs = a copy of the module's namespace, as `doctest.testmod` does, plus the module's top-level
+   package under its own name if the module has no global of that name: `textwrap.shorten`'s examples call
+   `textwrap.shorten(...)`; stdout spoofed, the displayed value included; an exception caught and formatted as
+   doctest formats it), and writes one JSON line: per example, what it printed and its exception message.
 
-The parent scores 1.0 only when the child exited 0 and the last line of its stdout is exactly that line, with
-attempted > 0 and failed == 0 ((attempted - failed) / attempted with failures); a syntax error, a wrong
-indentation, a truncated or empty body, an exception, a timeout, a refused operation: 0.0, never an exception
-(`run_python` raises OSError only when no child can be started: that is the worker's failure, not the
-completion's, and it propagates).
+The worker judges: it scores only a run that exited 0 with exactly that one line, of the right shape and length,
+and compares each example's output with its `want` (or the exception with the expected one) with
+`doctest.OutputChecker` and DocTestRunner's rules: 1.0 when all match, the share that matched otherwise; a
+syntax error, a wrong indentation, a truncated or empty body, a crash, a timeout, a refused operation, no report
+or a malformed one: 0.0, never an exception (`run_python` raises OSError only when no confined child can be
+started: that is the worker's failure, not the completion's, and it propagates).
 
-Forgery, and what remains. The generated code runs in the harness's process. It cannot earn a reward by
-exiting early (`os._exit(0)`: no line), by printing a success line (it does not know the nonce; and a line
-printed after the harness's, from a thread or an atexit handler, is not the last), by rebinding the name to
-the reference function, or by patching `doctest` after importing it (its own copy). But same-process code
-can in principle still tamper with the harness: walk the frames (`sys._getframe`, which the sandbox allows)
-up to the harness's locals (the nonce, the runner), or patch the objects the runner hands it while an example
-runs (the spoofed `sys.stdout` whose value the runner compares). The checker tests behaviour, not provenance
-either: a body may reach the reference implementation (a C accelerator, re-executing the module's source,
-which the sandbox lets it read). Generations that do such things are not learned by accident, but a reward
-this process computes is evidence, not proof; an audit of high-reward samples for `_getframe`, `reload` and
-the like is cheap. The caller should cut generations at the function's end (stop sequences, as human-eval
-does): the checker executes everything the completion holds, extra top-level code included.
+Forgery, and what remains. Nothing in the child decides the score, and no secret is there to steal: the wants
+and the comparison stay in the worker. A completion that exits early (no report), prints or writes a report of
+its own (fd 1 is stderr; a second line on the report's descriptor voids the report), walks the frames, a
+traceback or `inspect.stack()` up to the harness and writes a report there, patches `doctest` or rebinds the
+name scores 0 (tests/unit/test_code_checker.py tries each). What no process boundary can stop: the examples are
+in the prompt, so a body can special-case them (hard-code the outputs it was shown, or look its docstring up at
+run time and print the expected output), and it can reach the reference implementation (a C accelerator,
+re-executing the module's source, which the sandbox lets it read). That is the reward hacking any visible-test
+reward allows; only held-out examples defeat it. An audit of high-reward samples for `__doc__`, `_getframe`,
+`reload` and the like is cheap. The caller should cut generations at the function's end (stop sequences, as
+human-eval does): the checker executes everything the completion holds, extra top-level code included.
 
 References (mirrored in spirit, not copied): OpenAI human-eval's `execution.py` `check_correctness` (program =
 prompt + completion + tests, run in a child process with a timeout, passed only on positive evidence that the
-tests ran), and Python's `doctest` module docs (https://docs.python.org/3/library/doctest.html:
-DocTestParser, DocTestRunner, testmod's globs as a copy of the module's `__dict__`, option flags)."""
+tests ran), and Python's `doctest` module docs and source (https://docs.python.org/3/library/doctest.html:
+DocTestParser, DocTestRunner and its `__run`, OutputChecker, testmod's globs as a copy of the module's
+`__dict__`, option flags)."""
 
 from __future__ import annotations
 
@@ -72,8 +73,7 @@ import collections
 import doctest
 import functools
 import inspect
-import re
-import secrets
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -190,28 +190,92 @@ def applies(prompt: str) -> bool:
 
 
 def check(prompt: str, completion: str) -> Outcome | None:
-    """Run the docstring examples of `prompt`'s function against `prompt + completion` in the sandbox; None
-    when the checker does not apply to `prompt`."""
+    """Run the docstring examples of `prompt`'s function against `prompt + completion` in the sandbox and judge
+    what they printed here, in the worker; None when the checker does not apply to `prompt`."""
     target = targets().get(prompt)
     if target is None:
         return None
-    nonce = secrets.token_hex(16)
+    examples = _examples_of(target)
     config = {
         "module": target.module,
         "function": target.function,
-        "docstring": target.docstring,
         "source": prompt + completion,
         "filename": FILENAME,
-        "optionflags": OPTIONFLAGS,
+        "examples": [example.source for example, _ in examples],
     }
     program = f"{_harness_source()}\n_harness({config!r})\n"
-    result = run_python(program, limits=LIMITS, stdin=nonce + "\n")
-    attempted = failed = None
-    last = result.stdout.rstrip("\n").rpartition("\n")[2] if result.stdout.endswith("\n") else ""
-    m = re.fullmatch(rf"{nonce} (\d+) (\d+)", last)
-    if m is not None:
-        attempted, failed = int(m.group(1)), int(m.group(2))
-    return Outcome(result.status, attempted, failed, result.wall_s, result.stderr)
+    result = run_python(program, limits=LIMITS)
+    records = _report(result.stdout, len(examples))
+    if records is None:  # no report, or not one of the harness's shape: nothing to judge
+        return Outcome(result.status, None, None, result.wall_s, result.stderr)
+    checker, failures = doctest.OutputChecker(), []
+    for i, ((example, flags), (got, exc_msg)) in enumerate(zip(examples, records, strict=True)):
+        if not _example_passes(checker, example, flags, got, exc_msg):
+            failures.append(f"example {i}: {example.source.strip()}\n  expected: {example.exc_msg or example.want!r}\n"
+                            f"  got: {exc_msg or got!r}\n")  # fmt: skip
+    return Outcome(result.status, len(examples), len(failures), result.wall_s, result.stderr + "".join(failures))
+
+
+@functools.cache
+def _examples_of(target: Target) -> tuple[tuple[doctest.Example, int], ...]:
+    """The examples of the target's docstring that doctest would run (not marked SKIP), each with its option
+    flags (OPTIONFLAGS with the example's own directives merged in, as DocTestRunner does)."""
+    out = []
+    for example in doctest.DocTestParser().get_examples(target.docstring):
+        flags = OPTIONFLAGS
+        for flag, on in example.options.items():
+            flags = flags | flag if on else flags & ~flag
+        if not flags & doctest.SKIP:
+            out.append((example, flags))
+    return tuple(out)
+
+
+def _report(stdout: str, count: int) -> list[tuple[str, str | None]] | None:
+    """The harness's report: stdout is exactly one line, a JSON list of `count` [got, exception] pairs (got: what
+    the example printed, with the displayed value; exception: doctest's exception message, or null); None for
+    anything else (the completion wrote to the report's descriptor, the run ended before the report, ...)."""
+    if not stdout.endswith("\n") or stdout.count("\n") != 1:
+        return None
+    try:
+        records = json.loads(stdout)
+    except ValueError:
+        return None
+    if not isinstance(records, list) or len(records) != count:
+        return None
+    out = []
+    for record in records:
+        if not (isinstance(record, list) and len(record) == 2 and isinstance(record[0], str)):
+            return None
+        if not (record[1] is None or isinstance(record[1], str)):
+            return None
+        out.append((record[0], record[1]))
+    return out
+
+
+def _example_passes(
+    checker: doctest.OutputChecker, example: doctest.Example, flags: int, got: str, exc_msg: str | None
+) -> bool:
+    """Whether one example's output matches, decided as `doctest.DocTestRunner` decides it (its `__run`): the
+    printed output against `want`, or the exception message against the expected one (IGNORE_EXCEPTION_DETAIL
+    compares the exception's type only)."""
+    if got and not got.endswith("\n"):  # doctest's spoofed stdout ends what it returns with a newline
+        got += "\n"
+    if exc_msg is None:
+        return checker.check_output(example.want, got, flags)
+    if example.exc_msg is None:  # an exception where none was expected
+        return False
+    if checker.check_output(example.exc_msg, exc_msg, flags):
+        return True
+    return bool(flags & doctest.IGNORE_EXCEPTION_DETAIL) and checker.check_output(
+        _exception_type(example.exc_msg), _exception_type(exc_msg), flags
+    )
+
+
+def _exception_type(msg: str) -> str:
+    """`module.Error: detail` -> `Error`, what IGNORE_EXCEPTION_DETAIL compares (doctest's
+    `_strip_exception_details`)."""
+    name = msg.split("\n", 1)[0].split(":", 1)[0]
+    return name.rpartition(".")[2]
 
 
 @register(
@@ -222,8 +286,8 @@ def check(prompt: str, completion: str) -> Outcome | None:
 )
 def score(prompt: str, completion: str) -> float:
     """1.0 when the generated body passes every example of the function's docstring; partial credit, the
-    share of examples that passed, when the harness reported its (nonce-signed) counts with some failures;
-    0.0 otherwise (no report, a crash, a limit hit)."""
+    share of examples whose output matched, when the run exited 0 with a well-formed report; 0.0 otherwise
+    (no report, a malformed one, a crash, a limit hit)."""
     outcome = check(prompt, completion)
     if outcome is None:
         return 0.0
@@ -252,20 +316,22 @@ def _harness_source() -> str:
 
 
 def _harness(cfg: dict) -> None:
-    """Read the nonce, put the generated function in place of the original, run the docstring's examples,
-    and print `<nonce> <attempted> <failed>` as the last act (the module docstring says why each step)."""
+    """Put the generated function in place of the original, run each example as doctest runs it, and write
+    one JSON line: per example, what it printed and the exception message, if any. It judges nothing."""
     import os
     import sys
 
-    nonce = sys.stdin.read().strip()  # before anything untrusted runs; it lives in this frame only
-    write, stdout, report = os.write, sys.stdout, sys.stderr.write
-    import doctest
+    report_fd = os.dup(1)  # the report's own descriptor; fd 1 (print, sys.stdout) goes to stderr from here on
+    os.dup2(2, 1)
+    import __future__
+
     import importlib
+    import io
+    import json
+    import traceback
     import types
 
-    parser = doctest.DocTestParser()
-    runner = doctest.DocTestRunner(verbose=False, optionflags=cfg["optionflags"])
-    del sys.modules["doctest"]  # generated code that imports doctest gets its own copy, not these classes
+    write, dumps, StringIO, format_exception_only = os.write, json.dumps, io.StringIO, traceback.format_exception_only
     module = importlib.import_module(cfg["module"])
     name = cfg["function"]
     exec(compile(cfg["source"], cfg["filename"], "exec"), vars(module))  # the original's globals: its module's
@@ -276,10 +342,26 @@ def _harness(cfg: dict) -> None:
     globs = dict(vars(module))  # what doctest.testmod runs a module's examples in: a copy of its namespace
     package = cfg["module"].partition(".")[0]
     globs.setdefault(package, importlib.import_module(package))  # so that examples may call `module.func`
-    test = parser.get_doctest(cfg["docstring"], globs, f"{cfg['module']}.{name}", "<docstring>", 0)
-    results = runner.run(test, out=report)
-    try:
-        stdout.flush()  # what the code printed outside the examples comes before the report line
-    except BaseException:
-        pass
-    write(1, f"\n{nonce} {results.attempted} {results.failed}\n".encode())
+    flags = 0  # doctest's _extract_future_flags: the module's `from __future__ import ...` apply to its examples
+    for feature_name in __future__.all_feature_names:
+        feature = globs.get(feature_name)
+        if feature is getattr(__future__, feature_name):
+            flags |= feature.compiler_flag
+    stdout, records = sys.stdout, []
+    for source in cfg["examples"]:  # as doctest.DocTestRunner's __run does, without judging
+        sys.stdout, sys.displayhook = StringIO(), sys.__displayhook__
+        exc_msg = None
+        try:
+            exec(compile(source, "<example>", "single", flags, True), globs)  # a name that tells no index
+        except KeyboardInterrupt:
+            raise
+        except BaseException as e:
+            lines = format_exception_only(type(e), e)
+            if isinstance(e, SyntaxError):  # doctest compares from the `SyntaxError:` line on (no carets)
+                prefixes = (f"{type(e).__qualname__}:", f"{type(e).__module__}.{type(e).__qualname__}:")
+                lines = lines[next((k for k, line in enumerate(lines) if line.startswith(prefixes)), 0) :]
+            exc_msg = "".join(lines)
+        finally:
+            got, sys.stdout = sys.stdout.getvalue(), stdout
+        records.append([got, exc_msg])
+    write(report_fd, (dumps(records) + "\n").encode())

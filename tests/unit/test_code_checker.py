@@ -98,24 +98,47 @@ def test_another_correct_body_passes():
 
 def test_forgeries_earn_nothing(monkeypatch):
     prompt, reference = corpus_prompt("textwrap.py", "shorten")
-    fake = "0" * 32 + " 2 0"  # a report line in the harness's format, without the nonce
+    fake = '[["", null], ["", null]]'  # a report in the harness's format: two examples that printed nothing
+    # the harness's frame, reached by walking up from the function (called by an example's code), by a caught
+    # exception's traceback, by inspect: its locals hold the report's descriptor and the writer
+    walk = "f = sys._getframe(1)\n    while f is not None and 'report_fd' not in f.f_locals:\n        f = f.f_back\n"
+    trace = (
+        "try:\n        raise RuntimeError\n    except RuntimeError as e:\n        f = e.__traceback__.tb_frame\n"
+        "    while f is not None and 'report_fd' not in f.f_locals:\n        f = f.f_back\n"
+    )
+    insp = "f = next(i.frame for i in inspect.stack() if 'report_fd' in i.frame.f_locals)\n"
+    forge = f"    os.write(f.f_locals['report_fd'], ({fake!r} + '\\n').encode())\n"
     forgeries = {
         "exit at once": "    import os; os._exit(0)\n",
         "exit when defined": "    return None\nimport os\nos._exit(0)\n",
-        "print a success line": f"    return None\nimport os, sys\nprint({fake!r})\nsys.stdout.flush()\nos._exit(0)\n",
-        "write it to fd 1": f"    import os\n    os.write(1, b'\\n{fake}\\n')\n    os._exit(0)\n",
-        # the reference itself, followed by a line printed after the harness's report
-        "print after the report": reference + f"import atexit\natexit.register(print, {fake!r})\n",
+        "print a report": f"    return None\nimport os, sys\nprint({fake!r})\nsys.stdout.flush()\nos._exit(0)\n",
+        "write it to fd 1": f"    import os\n    os.write(1, b'{fake}\\n')\n    os._exit(0)\n",
+        "print a report at exit": f"    return None\nimport atexit\natexit.register(print, {fake!r})\n",
         # the original function back under its name (reload re-executes textwrap in the same namespace)
         "rebind to the original": "    return None\nimport importlib, textwrap\nimportlib.reload(textwrap)\n",
         "name left unbound": "    return None\ndel shorten\n",
-        # patch doctest's output checker before the examples run: the runner's doctest is not the importable one
+        # patch doctest's output checker: the child does not judge, the worker does
         "patch doctest": "    return None\nimport doctest\ndoctest.OutputChecker.check_output = lambda *a: True\n",
+        # the frame walks of the issue: write a report on the harness's own descriptor, then exit 0 ...
+        "frames: report, exit": f"    import os, sys\n    {walk}{forge}    os._exit(0)\n",
+        "traceback: report, exit": f"    import os\n    {trace}{forge}    os._exit(0)\n",
+        "inspect: report, exit": f"    import inspect, os\n    {insp}{forge}    os._exit(0)\n",
+        # ... or early, then let the run go on (two reports) or fail
+        "frames: report early, go on": f"    import os, sys\n    {walk}{forge}    return None\n",
+        "frames: report early, fail": f"    import os, sys\n    {walk}{forge}    os._exit(1)\n",
+        # the reference, and a report appended at exit on every descriptor that may be the report's
+        "correct, plus a second report": reference
+        + f"import atexit, os\natexit.register(lambda: [os.write(fd, b'{fake}\\n') for fd in range(3, 9)])\n",
+        # gc, to reach the harness's objects (the audit hook refuses it; without the hook there is nothing to
+        # forge: the verdict is not in the child)
+        "gc: find the records": "    import gc\n    gc.get_objects()\n    return None\n",
     }
     for what, completion in forgeries.items():
         outcome = code.check(prompt, completion)
         assert outcome is not None and not outcome.passed, (what, outcome)
         assert code.score(prompt, completion) == 0.0, what
+        if what.endswith("report, exit"):  # the walk reached the harness: its forged report was read, and judged
+            assert (outcome.status, outcome.attempted, outcome.failed) == ("ok", 2, 2), (what, outcome)
     monkeypatch.setattr(code, "LIMITS", Limits(wall_s=3.0, cpu_s=1, memory_mb=512))  # runaway bodies, quickly
     runaway = {
         "spin": ("    while True:\n        pass\n", {"cpu_limit", "timeout"}),

@@ -3,11 +3,14 @@ process in its group, no folder). Tests address nothing but 127.0.0.1. `-s` show
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -306,7 +309,7 @@ def test_bypassing_the_preludes_exit_still_ends_blocked():
 import sys
 
 def tracer(frame, event, arg):
-    if frame.f_code.co_name == "_child_main":
+    if frame.f_code.co_name == "_confined":
         frame.f_locals["_exit"] = lambda code: None
     return tracer
 
@@ -375,11 +378,204 @@ def test_a_root_worker_with_a_world_readable_python_drops_to_nobody(monkeypatch,
     assert r.status == "blocked" and not target.exists()
 
 
+def test_a_temporary_folder_closed_to_others_still_runs(monkeypatch, tmp_path):
+    """TMPDIR under a private folder (pytest's own, mode 700): the throwaway folder goes to /tmp, where the
+    child can still reach it after it drops to `nobody`."""
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    monkeypatch.setattr(tempfile, "tempdir", str(private))
+    r = run("import os\nprint(os.getcwd())\nopen('w.txt', 'w').write('x')\n")
+    assert r.status == "ok", r.stderr
+    assert not r.stdout.startswith(str(private)) or sandbox._traversable_by_others(str(private))
+
+
 def test_limits_are_validated():
     with pytest.raises(ValueError):
         Limits(wall_s=0)
     with pytest.raises(ValueError):
         Limits(memory_mb=0)
+
+
+# ---- the boundary: every attack, in each setup, with the audit hook on and off ----------------------------------
+#
+# Each attack prints ESCAPED if its operation went through; the test also looks from outside (the victim process
+# lives, no file appeared, the server accepted nothing, the secret was not printed). With the hook off only the
+# kernel layers (namespaces, Landlock, seccomp, privileges) stand between the code and the machine.
+
+_SYSCALLS = {"x86_64": {"kill": 62}, "aarch64": {"kill": 129}}[os.uname().machine]
+_FORK_EXEC = (  # what subprocess passes to _posixsubprocess.fork_exec on 3.11 (23 arguments)
+    "r, w = os.pipe()\n"
+    "pid = m.fork_exec([b'/bin/sh', b'-c', b'echo x > {outside}/sh'], [b'/bin/sh'], True, (w,), None, None,"
+    " -1, -1, -1, -1, -1, -1, r, w, True, True, -1, None, None, None, -1, None, False)\n"
+)
+ATTACKS = {
+    "pidfd_send_signal to a worker process": "import signal\nsignal.pidfd_send_signal(os.pidfd_open({victim}), 15)",
+    "os.kill of a worker process": "os.kill({victim}, 15)",
+    "os.kill of the namespace's init": "os.kill(1, 9)",
+    "_imp rebuilds _posixsubprocess, /bin/sh": "import _imp, importlib.machinery as im, importlib.util as iu\n"
+    "m = _imp.create_builtin(im.ModuleSpec('_posixsubprocess', None))\n"
+    "if m is None:  # not built in: an extension module of lib-dynload\n"
+    "    m = iu.module_from_spec(im.PathFinder.find_spec('_posixsubprocess'))\n" + _FORK_EXEC,
+    "subprocess.run(['/bin/sh', ...])": "import subprocess\nsubprocess.run(['/bin/sh', '-c', 'echo x > {outside}/sh'])",
+    "os.execv('/bin/sh')": "os.execv('/bin/sh', ['sh', '-c', 'echo x > {outside}/sh'])",
+    "os.mkfifo outside the folder": "os.mkfifo('{outside}/fifo')",
+    "os.mknod outside the folder": "import stat\nos.mknod('{outside}/node', stat.S_IFREG | 0o644)",
+    "os.mkfifo in the folder": "os.mkfifo('fifo')",
+    "ctypes: kill(2) of a worker process": "import ctypes\nassert ctypes.CDLL(None).syscall({kill}, {victim}, 15) == 0",
+    "ctypes: fork()": "import ctypes\nassert ctypes.CDLL(None).fork() >= 0",
+    "ctypes: unshare(CLONE_NEWUSER)": "import ctypes\nassert ctypes.CDLL(None).unshare(0x10000000) == 0",
+    "/proc of other processes": "print(sorted(p for p in os.listdir('/proc') if p.isdigit()), flush=True)\n"
+    "print(open('/proc/{victim}/environ').read())",
+    "/proc/1/environ (the namespace's init)": "print(open('/proc/1/environ').read())",
+    "threads until the namespace is full": "import threading, time\nthreading.stack_size(1 << 16)\nn = 0\ntry:\n"
+    "    while n < 2000:\n"
+    "        threading.Thread(target=time.sleep, args=(3,), daemon=True).start()\n        n += 1\n"
+    "except RuntimeError:\n    print('threads', n)\n    raise\nprint('threads', n)",
+    "connect to the worker's 127.0.0.1 server": "import socket\nsocket.create_connection(('127.0.0.1', {port}), 2)",
+    "write a file outside the folder": "open('{outside}/w', 'w').write('x')",
+    "read a file outside the folder": "print(open('{secret}').read())",
+    "hard link a file outside into the folder": "os.link('{secret}', 'l')\nprint(open('l').read())",
+    "symlink out of the folder, read through it": "os.symlink('{secret}', 's')\nprint(open('s').read())",
+}
+
+
+def _attack_program(body: str, **values) -> str:
+    return "import os\n" + body.format(**values) + "\nprint('ESCAPED')\n"
+
+
+def _world_readable(path: str) -> bool:
+    here = "/"
+    for part in [p for p in os.path.realpath(path).split("/") if p]:
+        here = os.path.join(here, part)
+        if not os.stat(here).st_mode & 0o001:
+            return False
+    return bool(os.stat(here).st_mode & 0o004)
+
+
+_DRIVER = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import sandbox
+jobs = json.loads(open(sys.argv[2]).read())
+out = []
+for code in jobs:
+    r = sandbox.run_python(code, limits=sandbox.Limits(wall_s=10.0, cpu_s=5), audit_hook=False)
+    out.append([r.status, r.stdout, r.stderr])
+print(json.dumps(out))
+"""
+
+
+def _unprivileged_worker(programs: list[str], python: str, shared: Path) -> list[tuple[str, str, str]]:
+    """Run `programs` through run_python in a worker that is `nobody` (a copy of the sandbox and its libseccomp
+    binding in a folder `nobody` can read, the system Python): the unprivileged setup."""
+    import pyseccomp
+
+    for src in (Path(sandbox.__file__), sandbox._CHILD, Path(pyseccomp.__file__)):
+        (shared / src.name).write_text(src.read_text())
+    jobs = shared / "jobs.json"
+    jobs.write_text(json.dumps(programs))
+    for p in shared.iterdir():
+        p.chmod(0o644)
+    uid, gid = sandbox._nobody()
+    done = subprocess.run(
+        [python, "-I", "-c", _DRIVER, str(shared), str(jobs)], capture_output=True, text=True, user=uid,
+        group=gid, extra_groups=[], cwd=shared, env={"PATH": "/usr/bin:/bin", "TMPDIR": "/tmp"}, timeout=600,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return [tuple(r) for r in json.loads(done.stdout)]
+
+
+def test_the_boundary_holds_in_every_setup(monkeypatch):
+    """Every attack of the table is refused: by the audit hook and kernel as root (the product's default),
+    and by the kernel alone (hook off) with the child as root without capabilities, as `nobody`, and in a
+    worker that is itself unprivileged (user namespace). Run by a user other than root, the test is that
+    unprivileged worker itself, hook on and off. `-s` prints the table."""
+    root = os.geteuid() == 0
+    system_python = "/usr/bin/python3.11"
+    python_nobody = sys.executable if _world_readable(sys.executable) else system_python
+    if root and not (os.access(system_python, os.X_OK) and _world_readable(system_python)):
+        pytest.fail(f"the unprivileged setups need a Python that `nobody` can run: {system_python}")
+    base = Path(tempfile.mkdtemp(prefix="forgeline-boundary-", dir="/tmp"))
+    victim = server = None
+    try:
+        base.chmod(0o755)
+        outside, shared = base / "outside", base / "shared"
+        outside.mkdir(mode=0o777)
+        outside.chmod(0o777)  # writable by anyone: only the sandbox can keep the code out
+        shared.mkdir()
+        secret = base / "secret.txt"
+        secret.write_text("forgeline-secret-token\n")
+        secret.chmod(0o644)  # readable by anyone
+        uid, gid = sandbox._nobody()
+        as_nobody = {"user": uid, "group": gid, "extra_groups": []} if root else {}
+        victim = subprocess.Popen(["sleep", "300"], env={"FORGELINE_VICTIM_SECRET": "forgeline-secret-token"},
+                                  **as_nobody)  # fmt: skip
+        server = socket.create_server(("127.0.0.1", 0))
+        server.setblocking(False)
+        values = {"victim": victim.pid, "outside": outside, "secret": secret, "port": server.getsockname()[1],
+                  "kill": _SYSCALLS["kill"]}  # fmt: skip
+        programs = {name: _attack_program(body, **values) for name, body in ATTACKS.items()}
+
+        def runs(**kw) -> dict[str, tuple[str, str, str]]:
+            out = {}
+            for name, program in programs.items():
+                r = _clean(run_python(program, limits=LIMITS, **kw))
+                out[name] = (r.status, r.stdout, r.stderr)
+            return out
+
+        columns: dict[str, dict[str, tuple[str, str, str]]] = {}
+        if root:
+            monkeypatch.setattr(sandbox, "_DROP_TO_NOBODY", False)
+            probe = run(PROBE)
+            assert probe.stdout.split()[:2] == ["0", "0000000000000000"], probe  # uid 0, no capability
+            columns["root, hook on"] = runs()
+            columns["root, hook off"] = runs(audit_hook=False)
+            monkeypatch.setattr(sandbox, "_DROP_TO_NOBODY", True)
+            monkeypatch.setattr(sandbox, "_PYTHON", python_nobody)
+            probe = run(PROBE)
+            assert int(probe.stdout.split()[0]) == uid, probe
+            columns["nobody, hook off"] = runs(audit_hook=False)
+            results = _unprivileged_worker(list(programs.values()), system_python, shared)
+            columns["unprivileged worker, hook off"] = dict(zip(programs, results, strict=True))
+        else:
+            columns["unprivileged worker, hook on"] = runs()
+            columns["unprivileged worker, hook off"] = runs(audit_hook=False)
+
+        rows, escapes = [], []
+        for name in ATTACKS:
+            cells = []
+            for column, found in columns.items():
+                status, stdout, stderr = found[name]
+                refused = "ESCAPED" not in stdout and "forgeline-secret-token" not in stdout
+                if name.startswith("/proc of"):  # only the sandbox's own two processes are there to see
+                    refused = refused and stdout.splitlines()[:1] == ["['1', '2']"]
+                if name.startswith("threads"):  # refused past the namespace's limit, well before 2000
+                    counted = [int(line.split()[1]) for line in stdout.splitlines() if line.startswith("threads")]
+                    refused = refused and counted != [] and counted[0] < sandbox._PID_MAX
+                if not refused:
+                    escapes.append((column, name, status, stdout[-300:], stderr[-300:]))
+                how = "SIGSYS" if "seccomp" in stderr else "hook" if "sandbox: blocked" in stderr else "errno"
+                if name.startswith("threads"):
+                    how = f"{counted[0] if counted else '?'} threads"
+                cells.append(f"{'refused' if refused else 'ESCAPED'} ({status}, {how})")
+            rows.append((name, cells))
+        assert victim.poll() is None, "the victim process was signalled"
+        assert sorted(p.name for p in outside.iterdir()) == [], "a file appeared outside the folder"
+        with pytest.raises(BlockingIOError):
+            server.accept()
+        assert escapes == [], escapes
+        width = max(len(name) for name in ATTACKS)
+        header = f"{'attack':<{width}} | " + " | ".join(f"{c:<30}" for c in columns)
+        lines = [header, "-" * len(header)]
+        lines += [f"{name:<{width}} | " + " | ".join(f"{c:<30}" for c in cells) for name, cells in rows]
+        print("\n" + "\n".join(lines) + f"\n(python {sys.version.split()[0]}, kernel {os.uname().release})")
+    finally:
+        if victim is not None:
+            victim.kill()
+            victim.wait()
+        if server is not None:
+            server.close()
+        shutil.rmtree(base, ignore_errors=True)
 
 
 # ---- the release-note table --------------------------------------------------------------------------------
