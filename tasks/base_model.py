@@ -104,7 +104,9 @@ def check_base(url: str, files: list[str] | None = None) -> None:
         tok_cfg = storage.join(base, "tokenizer_config.json")
         _check_tokenizer(storage.read_bytes(tokenizer).decode("utf-8", errors="replace"), tokenizer,
                          storage.read_bytes(tok_cfg) if "tokenizer_config.json" in names else None, tok_cfg,
-                         model.config.vocab_size)
+                         model.config.vocab_size,
+                         storage.read_bytes(storage.join(base, "chat_template.jinja"))
+                         if "chat_template.jinja" in names else None, base)
     except (ValueError, NotImplementedError, KeyError) as e:  # StorageKeyError is a ValueError
         raise ValueError(f"base.url: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
 
@@ -121,9 +123,14 @@ def _check_files(url: str, names: set[str]) -> None:
         raise ValueError(f"{url} has no tokenizer.json")
 
 
-def _check_tokenizer(text: str, where: str, config: bytes | None, config_where: str, rows: int) -> None:
+def _check_tokenizer(text: str, where: str, config: bytes | None, config_where: str, rows: int,
+                     template_file: bytes | None = None, folder: str = "") -> None:
     """tokenizer.json (`text`, read from `where`) and tokenizer_config.json (`config`, None when absent): a
-    tokenizer whose special tokens are found and whose vocabulary fits the model's `rows` embedding rows."""
+    tokenizer whose special tokens are found and whose vocabulary fits the model's `rows` embedding rows; and
+    its chat template (chat_template.jinja in `folder`, `template_file`, else tokenizer_config.json's), when it
+    has one, compiles and renders a one-exchange conversation, with and without the generation prompt (what
+    data_prep renders chat documents with, and what the release ships: tasks/data/chat.py)."""
+    from tasks.data import chat
     from tasks.data.tokens import find_special_tokens
 
     try:
@@ -135,20 +142,32 @@ def _check_tokenizer(text: str, where: str, config: bytes | None, config_where: 
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{config_where}: not JSON ({e})") from None
     try:
-        find_special_tokens(tok, given)
+        sp = find_special_tokens(tok, given)
     except ValueError as e:
         raise ValueError(f"{where}: {str(e).removeprefix('tokenizer: ')}") from None
     vocab = tok.get_vocab_size(with_added_tokens=True)
     if vocab > rows:
         raise ValueError(f"{where}: {vocab} tokens, but the model's embedding has {rows} rows")
+    if template_file is None and not (isinstance(given, dict) and given.get("chat_template") is not None):
+        return  # data_prep's default template, ours
+    try:
+        source = template_file.decode("utf-8") if template_file is not None else None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{folder.rstrip('/')}/chat_template.jinja: not UTF-8 ({e})") from None
+    template = chat.load(given if isinstance(given, dict) else None, sp, template_file=source, folder=folder)
+    exchange = [{"role": "user", "content": "Hello."}, {"role": "assistant", "content": "Hi."}]
+    template.render(exchange)  # ValueError naming the file and key: not Jinja, or its rendering failed
+    template.render(exchange[:1], add_generation_prompt=True)
 
 
 def _check_import(url: str, local: Path) -> dict[str, Any]:
     _check_files(url, {p.name for p in local.iterdir()})
     model = models.from_pretrained(str(local))  # raises ValueError naming a corrupt file or tensor
     tok_cfg = local / "tokenizer_config.json"
+    jinja = local / "chat_template.jinja"
     _check_tokenizer((local / "tokenizer.json").read_text(errors="replace"), str(local / "tokenizer.json"),
-                     tok_cfg.read_bytes() if tok_cfg.exists() else None, str(tok_cfg), model.config.vocab_size)
+                     tok_cfg.read_bytes() if tok_cfg.exists() else None, str(tok_cfg), model.config.vocab_size,
+                     jinja.read_bytes() if jinja.exists() else None, str(local))
     n_params = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
     return {"source": url, "params": int(n_params)}
 

@@ -165,9 +165,12 @@ def tokenizer_config(given: dict | None, sp: dict, template: chat.ChatTemplate) 
     return out
 
 
-def load_chat_template(location: Path | str | None, tokenizer_config: dict | None, sp: dict) -> chat.ChatTemplate:
+def load_chat_template(location: Path | str | None, tokenizer_config: dict | None, sp: dict, *,
+                       origin: str | None = None) -> chat.ChatTemplate:
     """The template chat documents are rendered with: chat_template.jinja beside the tokenizer.json at
-    `location`, else tokenizer_config's chat_template, else chat.DEFAULT_CHAT_TEMPLATE (see tasks/data/chat.py)."""
+    `location`, else tokenizer_config's chat_template, else chat.DEFAULT_CHAT_TEMPLATE (see tasks/data/chat.py).
+    Errors name the files under `origin` (what the user gave, e.g. `base.url: s3://...`) when given, else
+    under `location`'s folder."""
     loc = _tokenizer_file(location) if location is not None else None
     template_file = None
     if loc is not None and (path := _beside(loc, "chat_template.jinja")):
@@ -175,7 +178,7 @@ def load_chat_template(location: Path | str | None, tokenizer_config: dict | Non
             template_file = _read_bytes(path).decode("utf-8")
         except (OSError, UnicodeDecodeError):
             template_file = None
-    folder = loc.rsplit("/", 1)[0] if loc and "/" in loc else ""
+    folder = origin or (loc.rsplit("/", 1)[0] if loc and "/" in loc else "")
     return chat.load(tokenizer_config, sp, template_file=template_file, folder=folder)
 
 
@@ -433,7 +436,8 @@ def _strip_markers(text: str) -> str:
 
 
 def prepare(source: corpora.DocumentSource, cfg: DataPrepConfig, out_dir: Path, *,
-            tokenizer_json: Path | str | None = None, corpus_name: str | None = None) -> dict:
+            tokenizer_json: Path | str | None = None, corpus_name: str | None = None,
+            tokenizer_origin: str | None = None) -> dict:
     """`run_local` on any document source (a callable returning a fresh iterator per pass)."""
     t0 = time.perf_counter()
     name = corpus_name or cfg.corpus
@@ -441,7 +445,7 @@ def prepare(source: corpora.DocumentSource, cfg: DataPrepConfig, out_dir: Path, 
     out_dir.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=".data_prep-", dir=out_dir))
     try:
-        stats = _prepare(source, cfg, work, tokenizer_json, name)
+        stats = _prepare(source, cfg, work, tokenizer_json, name, tokenizer_origin)
         _publish(work, out_dir)
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -454,7 +458,7 @@ def _documents(source: corpora.DocumentSource, cfg: DataPrepConfig) -> Iterator[
     return itertools.islice(source(), cfg.max_documents)
 
 
-def _prepare(source, cfg: DataPrepConfig, work: Path, tokenizer_json, name: str) -> dict:
+def _prepare(source, cfg: DataPrepConfig, work: Path, tokenizer_json, name: str, origin: str | None = None) -> dict:
     from tokenizers import Tokenizer
 
     # 1. tokenizer
@@ -491,7 +495,7 @@ def _prepare(source, cfg: DataPrepConfig, work: Path, tokenizer_json, name: str)
         tokenizer_kind = "trained"
     sp["vocab_size"] = tok.get_vocab_size(with_added_tokens=True)
     (work / "special_tokens.json").write_text(json.dumps(sp, indent=2) + "\n")
-    template = load_chat_template(tokenizer_json, tok_cfg, sp)  # chat documents: see the module docstring
+    template = load_chat_template(tokenizer_json, tok_cfg, sp, origin=origin)  # chat documents: module docstring
     (work / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(tok_cfg, sp, template), indent=2) + "\n")
 
     # 2. pack
@@ -620,11 +624,13 @@ def check_corpus(cfg: DataPrepConfig, limit: int = PREFLIGHT_DOCUMENTS, *, needs
     return len(docs)
 
 
-def run_local(cfg: DataPrepConfig, out_dir: Path, *, tokenizer_json: Path | str | None = None) -> dict:
-    """The whole stage into a local folder; returns small JSON-able stats. Raises ValueError on bad input."""
+def run_local(cfg: DataPrepConfig, out_dir: Path, *, tokenizer_json: Path | str | None = None,
+              tokenizer_origin: str | None = None) -> dict:
+    """The whole stage into a local folder; returns small JSON-able stats. Raises ValueError on bad input,
+    naming the tokenizer's files under `tokenizer_origin` when given (what the user set, not a local copy)."""
     source = corpora.resolve(cfg.corpus, format=cfg.format, text_field=cfg.text_field,
                              messages_field=cfg.messages_field)
-    return prepare(source, cfg, out_dir, tokenizer_json=tokenizer_json)
+    return prepare(source, cfg, out_dir, tokenizer_json=tokenizer_json, tokenizer_origin=tokenizer_origin)
 
 
 def run(config: DataPrepConfig, inputs: Mapping[str, Path], output: Path, *, progress: Any = None,
@@ -632,7 +638,28 @@ def run(config: DataPrepConfig, inputs: Mapping[str, Path], output: Path, *, pro
     """The stage: optional input `tokenizer` (a checkpoint artifact whose tokenizer.json the data must use;
     without it a tokenizer is trained on the corpus)."""
     tok = inputs.get("tokenizer")
-    return run_local(config, output, tokenizer_json=model_dir(tok) / "tokenizer.json" if tok is not None else None)
+    if tok is None:
+        return run_local(config, output)
+    return run_local(config, output, tokenizer_json=model_dir(tok) / "tokenizer.json",
+                     tokenizer_origin=_tokenizer_origin(context))
+
+
+def _tokenizer_origin(context: Any) -> str | None:
+    """How errors name the `tokenizer` input's files: `base.url: <url>` when it is an imported checkpoint (the
+    setting, and the user's own files, rather than the store's or the work folder's copy), `base` when it is a
+    pretrained one (its tokenizer is data_prep's own); None without a stage context."""
+    if context is None or "tokenizer" not in getattr(context, "refs", {}):
+        return None
+    try:
+        config = context.store.manifest(context.refs["tokenizer"]).get("config") or {}
+    except (OSError, ValueError):
+        return None
+    url = config.get("url") if isinstance(config, dict) else None
+    if not isinstance(url, str) or not url:
+        return "base"
+    import storage
+
+    return f"base.url: {storage.normalize_url(url)}"
 
 
 def main(argv: list[str] | None = None) -> None:

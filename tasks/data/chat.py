@@ -176,8 +176,8 @@ class ChatTemplate:
             return _compile(self.source).render(
                 messages=_plain_messages(messages), tools=None, documents=None,
                 add_generation_prompt=add_generation_prompt, **self.variables)
-        except jinja2.TemplateError as e:
-            raise ValueError(f"{self.where}: rendering failed ({_first_line(e)})") from None
+        except (jinja2.TemplateError, ArithmeticError, LookupError, TypeError, ValueError, AttributeError) as e:
+            raise ValueError(f"{self.where}: rendering failed ({_first_line(e)})") from None  # the template's bug
 
     def pieces(self, messages: Sequence[Mapping]) -> list[str]:
         """[context, answer, context, answer, ..., context]: alternating, one answer per assistant message,

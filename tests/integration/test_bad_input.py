@@ -456,6 +456,32 @@ def case_base_vocab_larger_than_model(d, ctx):
     return sets(f"base.url=file://{d}/base")
 
 
+def set_chat_template(path: Path, template: str) -> None:
+    """The checkpoint's chat template: tokenizer_config.json's `chat_template` (no chat_template.jinja beside)."""
+    (path / "chat_template.jinja").unlink(missing_ok=True)
+    cfg_path = path / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+    cfg_path.write_text(json.dumps({**cfg, "chat_template": template}))
+
+
+@case("a base whose chat template is not Jinja", "base.url: file://{dir}/base/tokenizer_config.json: chat_template: "
+      "not a valid Jinja template")
+def case_base_chat_template_not_jinja(d, ctx):
+    set_chat_template(base_copy(d, ctx), "{% for m in messages %}{{ m.content }}")  # no endfor
+    return sets(f"base.url=file://{d}/base")
+
+
+@case("a base chat template that refuses a conversation of the corpus (found by data_prep, in a stage)",
+      "error: base.url: file://{dir}/base/tokenizer_config.json: chat_template: rendering failed (TemplateError: "
+      "no system messages)", stage=True)
+def case_base_chat_template_refuses_a_document(d, ctx):
+    set_chat_template(base_copy(d, ctx), "{% for m in messages %}{% if m.role == 'system' %}"
+                      "{{ raise_exception('no system messages') }}{% endif %}{{ m.role }}: {{ m.content }}\n"
+                      "{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}")
+    system = {"messages": [{"role": "system", "content": "be brief"}, *GOOD_CHAT["messages"]]}
+    return sets(f"base.url=file://{d}/base", f"data.corpus={jsonl(d, [GOOD_CHAT] * 20 + [system])}")
+
+
 @case("`base.url` on a crafted S3 listing with a key `../../escaped.txt`",
       "base.url: s3://bucket/ckpt: refusing the listed key '../../escaped.txt'",
       env=lambda ctx: ctx["hostile"])
