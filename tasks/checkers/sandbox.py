@@ -491,13 +491,14 @@ def _workdir_parent() -> tuple[str, bool]:
     return tempfile.gettempdir(), False
 
 
-def _traversable_by_others(path: str) -> bool:
+def _traversable_by_others(path: str, *, readable: bool = False) -> bool:
+    """Whether every folder down to `path` lets others through (and, with `readable`, others may read it)."""
     here = "/"
     for part in [p for p in os.path.realpath(path).split("/") if p]:
         here = os.path.join(here, part)
         if not os.stat(here).st_mode & 0o001:
             return False
-    return True
+    return not readable or bool(os.stat(here).st_mode & 0o004)
 
 
 def _tasks_of(uid: int) -> int:

@@ -443,15 +443,6 @@ def _attack_program(body: str, **values) -> str:
     return "import os\n" + body.format(**values) + "\nprint('ESCAPED')\n"
 
 
-def _world_readable(path: str) -> bool:
-    here = "/"
-    for part in [p for p in os.path.realpath(path).split("/") if p]:
-        here = os.path.join(here, part)
-        if not os.stat(here).st_mode & 0o001:
-            return False
-    return bool(os.stat(here).st_mode & 0o004)
-
-
 _DRIVER = """
 import json, sys
 sys.path.insert(0, sys.argv[1])
@@ -492,8 +483,10 @@ def test_the_boundary_holds_in_every_setup(monkeypatch):
     unprivileged worker itself, hook on and off. `-s` prints the table."""
     root = os.geteuid() == 0
     system_python = "/usr/bin/python3.11"
-    python_nobody = sys.executable if _world_readable(sys.executable) else system_python
-    if root and not (os.access(system_python, os.X_OK) and _world_readable(system_python)):
+    python_nobody = sys.executable if sandbox._traversable_by_others(sys.executable, readable=True) else system_python
+    if root and not (
+        os.access(system_python, os.X_OK) and sandbox._traversable_by_others(system_python, readable=True)
+    ):
         pytest.fail(f"the unprivileged setups need a Python that `nobody` can run: {system_python}")
     base = Path(tempfile.mkdtemp(prefix="forgeline-boundary-", dir="/tmp"))
     victim = server = None
