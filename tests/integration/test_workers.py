@@ -3,24 +3,32 @@ workers), then the smoke release with `execution: workers`, one of whose GPU wor
 of the fine-tune. Checked through the Prefect API and the store: every stage ran as its own flow run of its
 `stage/<kind>` deployment on a worker (never in the orchestrator's process); the killed fine-tune was marked
 Crashed by the zombie automation, started again on another worker and resumed from its checkpoint; quantize and
-traces ran at the same time; and the bundle is the inline run's, byte for byte."""
+traces ran at the same time; and the bundle is the inline run's, byte for byte. And on the same stack: every
+server it started (the Prefect API, PostgreSQL, S3) refuses a caller without the stack's generated credentials,
+and no command line or log shows them."""
 
 from __future__ import annotations
 
+import asyncio
+import base64
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 import uuid
 from datetime import datetime
 from pathlib import Path
+from urllib.parse import quote
 
+import asyncpg
 import pytest
 
 import storage
-from flows.stack import free_port
+from flows.stack import PG_CREDENTIALS, free_port, postgres_dir
 from storage import Store
 from tests.conftest import ROOT, SMOKE
 from tests.s3_server import exported
@@ -36,20 +44,29 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(180
 # train. A checkpoint after every step (the same training: a longer fine-tune fails the smoke gates) and a faster
 # poll land the kill mid-training, as the test means.
 FINETUNE_STEPS = 10  # tests/recipes/smoke.yaml
-OVERRIDES = ["--set", "serve=finetuned", "--set", "draft.candidates=[{kind: eagle3}]", "--set", "draft.select_every=0",
-             "--set", "finetune.train.checkpoint_every=1"]
+OVERRIDES = [
+    "--set",
+    "serve=finetuned",
+    "--set",
+    "draft.candidates=[{kind: eagle3}]",
+    "--set",
+    "draft.select_every=0",
+    "--set",
+    "finetune.train.checkpoint_every=1",
+]
 STAGE_NAMES = {"data_prep[base]", "base", "data_prep", "finetune", "quantize", "traces", "draft", "evaluate", "export"}
 
 
 def _clean_env() -> dict[str, str]:
     """This process's environment without a Prefect server or S3 endpoint another fixture exported."""
-    drop = ("PREFECT_API_URL", "AWS_")
+    drop = ("PREFECT_API_URL", "PREFECT_API_AUTH_STRING", "AWS_")
     return {k: v for k, v in os.environ.items() if not k.startswith(drop)}
 
 
 def _cli(*args: str, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "flows.cli", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
 
 
 @pytest.fixture(scope="module")
@@ -59,14 +76,36 @@ def stack(tmp_path_factory):
     periods, so that a loaded CI machine delaying a heartbeat does not crash a healthy run."""
     root = tmp_path_factory.mktemp("stack")
     t0 = time.monotonic()
-    up = _cli("stack", "up", "--dir", str(root), "--gpu-workers", "3", "--cpu-workers", "1",
-              "--port", str(free_port()), "--pg-port", str(free_port()), "--zombie-after", "90",
-              env=_clean_env(), timeout=400)
+    up = _cli(
+        "stack",
+        "up",
+        "--dir",
+        str(root),
+        "--gpu-workers",
+        "3",
+        "--cpu-workers",
+        "1",
+        "--port",
+        str(free_port()),
+        "--pg-port",
+        str(free_port()),
+        "--zombie-after",
+        "90",
+        env=_clean_env(),
+        timeout=400,
+    )
     assert up.returncode == 0, up.stderr[-3000:]
     seconds = time.monotonic() - t0
-    exports = dict(line.removeprefix("export ").split("=", 1) for line in up.stdout.splitlines()
-                   if line.startswith("export "))
-    assert set(exports) >= {"PREFECT_API_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL"}
+    exports = dict(
+        line.removeprefix("export ").split("=", 1) for line in up.stdout.splitlines() if line.startswith("export ")
+    )
+    assert set(exports) >= {
+        "PREFECT_API_URL",
+        "PREFECT_API_AUTH_STRING",
+        "AWS_ACCESS_KEY_ID",
+        "AWS_SECRET_ACCESS_KEY",
+        "AWS_ENDPOINT_URL",
+    }
     state = json.loads((root / "stack.json").read_text())
     try:
         yield root, {**_clean_env(), **exports}, state, seconds, up.stdout
@@ -74,8 +113,11 @@ def stack(tmp_path_factory):
         down = _cli("stack", "down", "--dir", str(root), "--purge", env=_clean_env(), timeout=180)
         assert down.returncode == 0, down.stderr[-2000:]
         pids = [w["pid"] for w in state["workers"]] + [state["prefect"]["pid"], state["s3"]["pid"]]
-        left = [p for p in pids if Path(f"/proc/{p}").exists()
-                and Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"]
+        left = [
+            p
+            for p in pids
+            if Path(f"/proc/{p}").exists() and Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        ]
         assert not left, f"still running after `stack down`: {left}"
         assert "PostgreSQL" in down.stdout and "data deleted" in down.stdout
         assert not Path(state["postgres"]["pgdata"]).exists()
@@ -83,11 +125,13 @@ def stack(tmp_path_factory):
 
 def _client(env):
     from prefect.client.orchestration import get_client
-    from prefect.settings import PREFECT_API_URL, temporary_settings
+    from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
 
     class _Ctx:
         def __enter__(self):
-            self.settings = temporary_settings({PREFECT_API_URL: env["PREFECT_API_URL"]})
+            self.settings = temporary_settings(
+                {PREFECT_API_URL: env["PREFECT_API_URL"], PREFECT_API_AUTH_STRING: env["PREFECT_API_AUTH_STRING"]}
+            )
             self.settings.__enter__()
             self.client = get_client(sync_client=True)
             return self.client.__enter__()
@@ -145,6 +189,7 @@ def _parent_flow_runs(env, runs) -> list:
 def _differences(env, a: str, b: str) -> list[str]:
     """Which committed files differ between two stores (the diagnosis when two bundles do)."""
     with exported({k: v for k, v in env.items() if k.startswith("AWS_")}):
+
         def manifests(root: str) -> dict:
             out = {}
             for kind in ("data_prep", "base", "finetune", "quantize", "traces", "draft", "evaluate", "export"):
@@ -178,24 +223,137 @@ def _bundle(env, url: str):
         return Store(url.rsplit("/export/", 1)[0]).load(url)
 
 
+def _api_status(api_url: str, auth: str | None) -> int:
+    """The HTTP status of a read of the flow runs, with `auth` as HTTP basic auth (Prefect's auth string)."""
+    headers = {"Content-Type": "application/json"}
+    if auth is not None:
+        headers["Authorization"] = "Basic " + base64.b64encode(auth.encode()).decode()
+    request = urllib.request.Request(f"{api_url}/flow_runs/filter", data=b"{}", headers=headers, method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=30) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def test_every_server_of_the_stack_wants_its_generated_credentials(stack):
+    """What the stack started lets in only the holder of its generated credentials, which no command line and
+    no log shows: the Prefect API (a flow run created there is a command the workers run as the stack's user),
+    PostgreSQL (over 127.0.0.1), the S3 API; the files that hold them are 0600."""
+    root, env, state, _, _ = stack
+    api = env["PREFECT_API_URL"]
+    auth = env["PREFECT_API_AUTH_STRING"]
+    assert _api_status(api, None) == 401
+    assert _api_status(api, auth.split(":")[0] + ":not-the-password") == 401
+    assert _api_status(api, auth) == 200
+
+    password = json.loads((root / PG_CREDENTIALS).read_text())["password"]
+    port = state["postgres"]["port"]
+
+    async def pg(secret):
+        conn = await asyncpg.connect(
+            host="127.0.0.1",
+            port=port,
+            user="postgres",
+            database="prefect",
+            password=secret,
+            passfile="/nonexistent",
+            timeout=20,
+        )
+        try:
+            return await conn.fetchval("SELECT count(*) FROM flow_run")  # Prefect's own table
+        finally:
+            await conn.close()
+
+    for wrong in ("", "not-the-password"):
+        with pytest.raises(asyncpg.InvalidPasswordError):
+            asyncio.run(pg(wrong))
+    assert asyncio.run(pg(password)) >= 0
+    # the Prefect server reaches the database with it, from its environment
+    server_env = dict(
+        kv.split(b"=", 1)
+        for kv in Path(f"/proc/{state['prefect']['pid']}/environ").read_bytes().split(b"\0")
+        if b"=" in kv
+    )
+    db_url = server_env[b"PREFECT_SERVER_DATABASE_CONNECTION_URL"].decode()
+    assert db_url.startswith(f"postgresql+asyncpg://postgres:{quote(password, safe='')}@127.0.0.1:{port}/")
+
+    with pytest.raises(urllib.error.HTTPError) as anonymous:
+        urllib.request.urlopen(f"{env['AWS_ENDPOINT_URL']}/forgeline?list-type=2", timeout=30)
+    assert anonymous.value.code == 403
+
+    for name in ("stack.json", "s3-credentials.json", PG_CREDENTIALS, "prefect-credentials.json"):
+        assert (root / name).stat().st_mode & 0o777 == 0o600, name
+
+    secrets = {
+        "PostgreSQL password": password,
+        "Prefect auth string": auth.split(":", 1)[1],
+        "S3 secret key": env["AWS_SECRET_ACCESS_KEY"],
+    }
+    pgdata = Path(state["postgres"]["pgdata"])
+    postmaster = int((pgdata / "postmaster.pid").read_text().split()[0])
+    started = [w["pid"] for w in state["workers"]] + [state["prefect"]["pid"], state["s3"]["pid"], postmaster]
+    cmdlines = {}
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                cmdlines[int(proc.name)] = proc.joinpath("cmdline").read_bytes()
+            except OSError:
+                pass  # exited meanwhile
+    assert all(pid in cmdlines for pid in started), started
+    shown = [
+        (what, pid) for pid, line in cmdlines.items() for what, secret in secrets.items() if secret.encode() in line
+    ]
+    assert not shown, shown
+    logs = [p for p in (*root.rglob("*.log"), *postgres_dir(root).rglob("*.log")) if p.is_file()]
+    assert any(p.name == "prefect-server.log" for p in logs) and any(p.name == "postgres.log" for p in logs)
+    leaked = [(what, str(p)) for p in logs for what, secret in secrets.items() if secret.encode() in p.read_bytes()]
+    assert not leaked, leaked
+
+
 def test_release_on_workers_survives_a_killed_worker_and_equals_inline(stack, measured):
     root, env, state, up_seconds, up_out = stack
     run_id = uuid.uuid4().hex[:8]
 
     # the reference: the same recipe, inline (every stage in one process, an ephemeral Prefect server)
-    inline_env = {k: v for k, v in env.items() if k != "PREFECT_API_URL"}
+    inline_env = {k: v for k, v in env.items() if k not in ("PREFECT_API_URL", "PREFECT_API_AUTH_STRING")}
     t0 = time.monotonic()
-    inline = _cli("release", "--recipe", SMOKE, *OVERRIDES, "--store", f"s3://forgeline/inline-{run_id}",
-                  env=inline_env, timeout=900)
+    inline = _cli(
+        "release",
+        "--recipe",
+        SMOKE,
+        *OVERRIDES,
+        "--store",
+        f"s3://forgeline/inline-{run_id}",
+        env=inline_env,
+        timeout=900,
+    )
     inline_seconds = time.monotonic() - t0
     assert inline.returncode == 0, inline.stderr[-3000:]
     inline_bundle = _bundle(env, inline.stdout.strip().splitlines()[-1])
 
     store = f"s3://forgeline/workers-{run_id}"
     t0 = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", "release", "--recipe", SMOKE, *OVERRIDES,
-                             "--set", "execution=workers", "--store", store], cwd=ROOT, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "flows.cli",
+            "release",
+            "--recipe",
+            SMOKE,
+            *OVERRIDES,
+            "--set",
+            "execution=workers",
+            "--store",
+            store,
+        ],
+        cwd=ROOT,
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     killed, kill_at = None, None
     try:
         deadline = time.monotonic() + 1500
@@ -236,10 +394,15 @@ def test_release_on_workers_survives_a_killed_worker_and_equals_inline(stack, me
     from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
 
     with _client(env) as client:
-        logs = [entry.message for entry in client.read_logs(
-            LogFilter(flow_run_id=LogFilterFlowRunId(any_=[finetunes[1].id])), limit=200)]
-    resumed = [int(m.split("resumed from checkpoint at step")[1].split()[0]) for m in logs
-               if "resumed from checkpoint at step" in m]
+        logs = [
+            entry.message
+            for entry in client.read_logs(LogFilter(flow_run_id=LogFilterFlowRunId(any_=[finetunes[1].id])), limit=200)
+        ]
+    resumed = [
+        int(m.split("resumed from checkpoint at step")[1].split()[0])
+        for m in logs
+        if "resumed from checkpoint at step" in m
+    ]
     assert resumed and resumed[0] < FINETUNE_STEPS, logs[-20:]  # it resumed with training left to do
     crashed_after = (finetunes[0].end_time - kill_at).total_seconds()
 
@@ -249,8 +412,12 @@ def test_release_on_workers_survives_a_killed_worker_and_equals_inline(stack, me
 
     with _client(env) as client:
         (release_run,) = client.read_flow_runs(flow_filter=FlowFilter(name=FlowFilterName(any_=["release"])))
-        artifacts = {name: client.read_artifacts(artifact_filter=ArtifactFilter(
-            flow_run_id=ArtifactFilterFlowRunId(any_=[r.id]))) for name, r in [("release", release_run), *done.items()]}
+        artifacts = {
+            name: client.read_artifacts(
+                artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[r.id]))
+            )
+            for name, r in [("release", release_run), *done.items()]
+        }
     assert release_run.state.is_completed()
     assert set(_parent_flow_runs(env, done.values())) == {release_run.id}  # every stage a child of the release
     by_key = {a.key: a for a in artifacts["release"] if a.key}
@@ -268,14 +435,19 @@ def test_release_on_workers_survives_a_killed_worker_and_equals_inline(stack, me
     assert overlap > 0, (q.start_time, q.end_time, t.start_time, t.end_time)
 
     start = min(r.start_time for r in runs)
-    measured(f"workers: `forgeline stack up` (PostgreSQL, Prefect server, SeaweedFS, 3 GPU + 1 CPU process "
-             f"workers) in {up_seconds:.0f}s; inline release {inline_seconds:.0f}s, workers release {seconds:.0f}s, "
-             f"bundle digest equal ({bundle.digest[:16]})")
-    measured(f"  worker {killed[0]} SIGKILLed during finetune: run marked Crashed {crashed_after:.0f}s later, "
-             f"rerun on {finetunes[1].labels['prefect.worker.name']} resumed from its checkpoint")
+    measured(
+        f"workers: `forgeline stack up` (PostgreSQL, Prefect server, SeaweedFS, 3 GPU + 1 CPU process "
+        f"workers) in {up_seconds:.0f}s; inline release {inline_seconds:.0f}s, workers release {seconds:.0f}s, "
+        f"bundle digest equal ({bundle.digest[:16]})"
+    )
+    measured(
+        f"  worker {killed[0]} SIGKILLed during finetune: run marked Crashed {crashed_after:.0f}s later, "
+        f"rerun on {finetunes[1].labels['prefect.worker.name']} resumed from its checkpoint"
+    )
     for r in sorted(runs, key=lambda r: r.start_time):
         a = (r.start_time - start).total_seconds()
         b = (r.end_time - start).total_seconds() if r.end_time else float("nan")
-        measured(f"  {r.name:<16} {r.state.name:<9} {r.labels.get('prefect.worker.name', '?'):<6} "
-                 f"{a:6.0f}s -> {b:6.0f}s")
+        measured(
+            f"  {r.name:<16} {r.state.name:<9} {r.labels.get('prefect.worker.name', '?'):<6} {a:6.0f}s -> {b:6.0f}s"
+        )
     measured(f"  quantize and traces overlapped for {overlap:.0f}s")
