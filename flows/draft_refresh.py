@@ -78,7 +78,8 @@ def draft_refresh(recipe: str = "tiny", overrides: list[str] | None = None, stor
     # fresh data's held-out prompts; no base. Its one gate is losslessness; promotion compares the two
     # drafts' acceptance below (the release's quality gates judged the served model already).
     eval_cfg = EvalConfig(**{**cfg.evaluate.model_dump(), "spec_target": cfg.serve, "spec_temperatures": [0.0],
-                           "serve_temperature": 0.0, "spec_tree": False, "declared_gates": None, "drafts": [name],
+                           "serve_temperature": 0.0, "spec_tree": False, "declared_gates": None, "waivers": (),
+                           "drafts": [name],
                            "gates": Gates(finetune_improves=False, min_acceptance_length=0.0,
                                           max_quant_ppl_increase=1e9, max_quant_kl_p99=1e9,
                                           max_quant_flip_rate=1e9)})

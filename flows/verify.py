@@ -12,6 +12,9 @@
    architecture and parses, and every safetensors file's header is valid and fits the file (read with a
    ranged read; the tensors themselves are covered by the sha256 check).
 
+It then prints the waivers `lineage.json` records, one `waiver:` line each: every gate the release was held to
+below forgeline's default (by its recipe, with the recipe's reason) or below its recipe (by `--set`).
+
 No Prefect here: verification runs anywhere the store is readable.
 """
 
@@ -46,7 +49,13 @@ def verify(url: str, *, store: str | None = None, lineage: bool = True) -> tuple
     files = {**manifest.get("files", {}), **manifest.get("volatile", {})}
     intact = set(files) - {p.rel for p in bad}
     summary: dict[str, Any] = {"kind": ref.kind, "files": len(files), "digest": ref.digest, "lineage": 0,
-                               "checkpoints": 0}
+                               "checkpoints": 0, "waivers": []}
+    if "lineage.json" in intact:
+        try:
+            body = json.loads(storage.read_bytes(ref.file("lineage.json")))
+            summary["waivers"] = [w for w in body.get("waivers", []) if isinstance(w, dict)]
+        except (ValueError, AttributeError, TypeError):
+            pass  # unreadable: _lineage says so when it checks the lineage
     if lineage and "lineage.json" in intact:
         lines, summary["lineage"] = _lineage(st, ref)
         problems += lines
@@ -110,10 +119,25 @@ def _checkpoint(ref, folder: str, files: list[str]) -> list[str]:
     return problems
 
 
+def waiver_line(w: dict[str, Any]) -> str:
+    """`waiver: evaluate.gates.finetune_improves true -> false (tiny-dpo.yaml: DPO does not aim at ...)`; a
+    lineage written before waivers named their source and reason says `declared` / `effective`."""
+    def shown(v: Any) -> str:
+        return str(v).lower() if isinstance(v, bool) else str(v)
+
+    was, now = w.get("from", w.get("declared")), w.get("to", w.get("effective"))
+    source = w.get("source", "--set")
+    why = " ".join(str(w["reason"]).split()) if w.get("reason") else "no reason: loosened on the command line"
+    return f"waiver: {w.get('gate')} {shown(was)} -> {shown(now)} ({source}: {why})"
+
+
 def report(url: str, **kwargs: Any) -> tuple[int, list[str]]:
-    """(exit code, lines to print) for the command line."""
+    """(exit code, lines to print) for the command line: the problems and an `error:` line, or an `ok:` line;
+    then (before the `error:` line) one `waiver:` line per waiver the bundle's lineage records."""
     problems, s = verify(url, **kwargs)
+    waivers = [waiver_line(w) for w in s.get("waivers", [])]
     if problems:
-        return 1, problems + [f"error: {storage.normalize_url(url)}: {len(problems)} problem(s) found"]
+        return 1, problems + waivers + [f"error: {storage.normalize_url(url)}: {len(problems)} problem(s) found"]
     return 0, [f"ok: {storage.normalize_url(url)}: {s['kind']} artifact, {s['files']} files match their sha256, "
-               f"{s['lineage']} lineage entries resolve, {s['checkpoints']} checkpoint(s) load; digest {s['digest']}"]
+               f"{s['lineage']} lineage entries resolve, {s['checkpoints']} checkpoint(s) load; digest {s['digest']}",
+               *waivers]

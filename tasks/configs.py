@@ -443,9 +443,13 @@ class EvalConfig(BaseModel):
     task_batch_size: int = Field(32, ge=1)
     seed: int = 0
     gates: Gates = Gates()
-    # The recipe's own gates when the command line loosened them (`--allow-weaker-gates`): the report lists
-    # the waivers and says whether the release also passed the gates as declared.
+    # The recipe's own gates when the command line loosened them (`--allow-weaker-gates`): the report says
+    # whether the release also passed the gates as declared.
     declared_gates: Gates | None = None
+    # Set by forgeline (tasks/recipe.py `load_release`), never by a recipe: every gate of the release held below
+    # its built-in default by the recipe (with the recipe's reason) or below the recipe by `--set`, as
+    # {gate, from, to, source, reason}; the report lists them and export records them in lineage.json.
+    waivers: tuple[dict[str, Any], ...] = ()
 
     @model_validator(mode="after")
     def _check(self) -> EvalConfig:
@@ -479,6 +483,18 @@ class RefreshConfig(BaseModel):
     traces: TracesConfig = TracesConfig()
     draft: DraftConfig = DraftConfig()
     min_acceptance_ratio: float = 1.0  # promote only if new acceptance >= ratio * current
+    # why a recipe sets the ratio below its default (required then; recorded as a waiver): {min_acceptance_ratio: ...}
+    reasons: dict[str, str] = {}
+
+    @field_validator("reasons")
+    @classmethod
+    def _reasons_name_gates(cls, v: dict[str, str]) -> dict[str, str]:
+        for name, why in v.items():
+            if name != "min_acceptance_ratio":
+                raise ValueError(f"'{name}' is not a gate of the refresh (its gate: min_acceptance_ratio)")
+            if not why.strip():
+                raise ValueError(f"{name}: empty (say why the gate is lowered)")
+        return v
 
 
 class StageResources(BaseModel):
@@ -591,8 +607,9 @@ class ReleaseConfig(BaseModel):
     @classmethod
     def _execution_mode(cls, v: Any) -> Any:
         return {"mode": v} if isinstance(v, str) else v  # `execution: workers` is short for `execution.mode`
-    # Gates the command line loosened (`load_release(..., allow_weaker_gates=True)`); set by forgeline, never
-    # by a recipe: {gate, declared, effective} each.
+    # Gates held weaker than their built-in defaults by the recipe (source: its file, with its reason) or than
+    # the recipe by `--set` (`load_release(..., allow_weaker_gates=True)`; source: "--set"); set by forgeline,
+    # never by a recipe: {gate, from, to, source, reason} each.
     waivers: tuple[dict[str, Any], ...] = ()
 
     @model_validator(mode="after")
@@ -612,10 +629,11 @@ class ReleaseConfig(BaseModel):
         return self.model_dump(mode="json", exclude={"execution", "resources"})
 
     def refresh_ratio_declared(self) -> float:
-        """The draft refresh's promotion threshold as the recipe declares it (a waiver may lower the one in force)."""
+        """The draft refresh's promotion threshold as the recipe declares it (a `--set` waiver may lower the one in
+        force; the recipe's own, reasoned, is the declared one)."""
         for w in self.waivers:
-            if w["gate"] == "refresh.min_acceptance_ratio":
-                return float(w["declared"])
+            if w["gate"] == "refresh.min_acceptance_ratio" and w["source"] == "--set":
+                return float(w["from"])
         return self.refresh.min_acceptance_ratio
 
     def served_model(self, finetuned: T, quantized: T) -> T:

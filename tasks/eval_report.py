@@ -120,10 +120,21 @@ def markdown(report: dict[str, Any]) -> str:
     lines += [f"| {g['gate']} | {g['value']:.4g} | {g['threshold']:.4g} | {'yes' if g['passed'] else '**NO**'} |"
               for g in report["gates"]]
     if report.get("waivers"):
-        lines += ["", "## Waivers", "", "The command line loosened gates the recipe declares "
-                  "(`--allow-weaker-gates`). "
-                  + ("The release also passes the gates as declared." if report["passed_as_declared"] else
-                     "**The release fails the gates as declared: it is exported but not promoted.**"), "",
-                  "| gate | declared | in force |", "|---|---|---|"]
-        lines += [f"| {w['gate']} | {w['declared']} | {w['effective']} |" for w in report["waivers"]]
+        lines += ["", "## Waivers", "", "Gates held weaker than the built-in defaults by the recipe (its file, with "
+                  "its reason) or than the recipe by the command line (`--set` with `--allow-weaker-gates`)."]
+        if any(w["source"] == "--set" for w in report["waivers"]):
+            lines[-1] += " " + ("The release also passes the gates as declared." if report["passed_as_declared"]
+                                else "**The release fails the gates as declared: it is exported but not promoted.**")
+        lines += ["", "| gate | loosened from | to | by | reason |", "|---|---|---|---|---|"]
+        lines += [f"| {w['gate']} | {_value(w['from'])} | {_value(w['to'])} | {w['source']} "
+                  f"| {_cell(w['reason'] or '(none: command line)')} |" for w in report["waivers"]]
     return "\n".join(lines) + "\n"
+
+
+def _value(v: Any) -> str:
+    return str(v).lower() if isinstance(v, bool) else f"{v:g}" if isinstance(v, float) else str(v)
+
+
+def _cell(text: str) -> str:
+    """Free text as one markdown table cell: on one line, its pipes escaped."""
+    return " ".join(text.split()).replace("|", "\\|")

@@ -377,15 +377,15 @@ def gates(report: dict[str, Any], g: Gates) -> list[dict[str, Any]]:
 
 
 def judge(report: dict[str, Any], cfg: EvalConfig) -> dict[str, Any]:
-    """The report's gate section: `gates` and `passed` under the gates in force; with a waiver, also the
-    `waivers` and `passed_as_declared` (the recipe's own gates, which decide whether the release pointer
-    moves). No gate at all is an error, never a pass."""
+    """The report's gate section: `gates` and `passed` under the gates in force, the `waivers` forgeline recorded
+    (gates the recipe lowers below their defaults, with its reasons; gates `--set` loosens below the recipe), and
+    `passed_as_declared` (under the recipe's own gates, which decide whether the release pointer moves; judged
+    apart when `--set` loosened them). No gate at all is an error, never a pass."""
     judged = gates(report, cfg.gates)
     if not judged:
         raise ValueError("evaluate.gates: no gate applies to this release (enable at least one)")
-    out: dict[str, Any] = {"gates": judged, "passed": all(g["passed"] for g in judged), "waivers": []}
+    out: dict[str, Any] = {"gates": judged, "passed": all(g["passed"] for g in judged), "waivers": list(cfg.waivers)}
     if cfg.declared_gates is not None:
-        out["waivers"] = cfg.gates.waivers(cfg.declared_gates, list(report["quantization"]))
         out["declared_gates"] = gates(report, cfg.declared_gates)
     out["passed_as_declared"] = all(g["passed"] for g in out.get("declared_gates", judged))
     return out

@@ -98,6 +98,10 @@ def draft_rows(kind: str, name: str, target: str, k: int) -> list[str]:
     return rows
 
 
+def _shown(value: Any) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
 def model_card(cfg: ExportConfig, report_md: str, lineage: dict[str, Any], has_adapter: bool,
                schemes: list[str], draft_kind: str = "eagle3", draft_name: str = "eagle3",
                has_curves: bool = False) -> str:
@@ -109,11 +113,17 @@ def model_card(cfg: ExportConfig, report_md: str, lineage: dict[str, Any], has_a
         f"Released by forgeline from {base}, fine-tuned ({ft.get('mode', '?')}) on "
         f"`{cfg.recipe.get('data', {}).get('corpus', '?')}`.", "",
     ]
-    if lineage["waivers"]:
+    lowered = [w for w in lineage["waivers"] if w["source"] != "--set"]
+    loosened = [w for w in lineage["waivers"] if w["source"] == "--set"]
+    if lowered:
+        lines += ["> **Waivers:** the recipe holds gates below forgeline's defaults ("
+                  + "; ".join(f"`{w['gate']}` {_shown(w['from'])} → {_shown(w['to'])} ({w['source']}: "
+                              f"{' '.join(w['reason'].split())})" for w in lowered) + ").", ""]
+    if loosened:
         verdict = ("it also passes them as declared" if lineage["gates_passed_as_declared"]
                    else "**it fails them as declared and is not the promoted release**")
         lines += ["> **Waivers:** released with gates loosened on the command line ("
-                  + "; ".join(f"`{w['gate']}` {w['declared']} → {w['effective']}" for w in lineage["waivers"])
+                  + "; ".join(f"`{w['gate']}` {_shown(w['from'])} → {_shown(w['to'])}" for w in loosened)
                   + f"); {verdict}.", ""]
     lines += [
         "## Contents", "",

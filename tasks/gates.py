@@ -1,5 +1,5 @@
 """The release's evaluation gates: the schema a recipe declares under `evaluate.gates`, how a scheme's limit
-is looked up, which gates are on, and how a weaker set differs from a declared one (the waivers).
+is looked up, which gates are on, and how a weaker set differs from a stricter one (the waivers).
 
 Part of the config schemas (tasks/configs.py, whose `EvalConfig.gates` this is); kept apart because the gates
 are their own subsystem: tasks/evaluate.py judges a report against them and tasks/recipe.py records the ways
@@ -10,13 +10,15 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 
 class Gates(BaseModel):
-    """What a release must pass before it is exported. A recipe declares them; `forgeline release --set`
-    may make one stricter, while loosening or disabling one takes `--allow-weaker-gates` and is recorded
-    as a waiver (`waivers`). At least one gate must be enabled."""
+    """What a release must pass before it is exported. A recipe declares them; one it sets weaker than the
+    default below (a lower floor, a higher limit, a check turned off) needs its reason under `reasons` and is
+    recorded as a waiver; `forgeline release --set` may make one stricter, while loosening or disabling one
+    takes `--allow-weaker-gates` and is recorded as a waiver too (tasks/recipe.py). At least one gate must
+    be enabled."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -59,8 +61,23 @@ class Gates(BaseModel):
     # finetune.method grpo: held-out pass@1 (T=0) after RL minus before it (the SFT start), as the finetune stage
     # measured it on its checker's prompts (its training.json); 0 disables the gate
     min_rl_accuracy_gain: float = Field(0.0, ge=0, le=1)
+    # why each gate this recipe sets weaker than its default above is lowered, keyed by the gate's name
+    # (`{finetune_improves: "..."}`; one reason covers every scheme of a gate keyed by scheme); required for each
+    # such gate, and recorded with it as a waiver. Judges nothing.
+    reasons: dict[str, str] = {}
 
     QUANT_GATES: ClassVar[tuple[str, ...]] = ("max_quant_ppl_increase", "max_quant_kl_p99", "max_quant_flip_rate")
+
+    @field_validator("reasons")
+    @classmethod
+    def _reasons_name_gates(cls, v: dict[str, str]) -> dict[str, str]:
+        gates = sorted(set(cls.model_fields) - {"reasons"})
+        for name, why in v.items():
+            if name not in gates:
+                raise ValueError(f"'{name}' is not a gate (gates: {', '.join(gates)})")
+            if not why.strip():
+                raise ValueError(f"{name}: empty (say why the gate is lowered)")
+        return v
 
     def quant_limit(self, scheme: str, gate: str = "max_quant_ppl_increase") -> float:
         limits = getattr(self, gate)
@@ -82,27 +99,29 @@ class Gates(BaseModel):
         on += [f"max_task_accuracy_drop[{s}]" for s in schemes] if self.max_task_accuracy_drop < 1 else []
         return on + [f"{gate}[{s}]" for gate in self.QUANT_GATES for s in schemes]
 
-    def waivers(self, declared: Gates, schemes: list[str] | tuple[str, ...]) -> list[dict[str, Any]]:
-        """Every way these gates are weaker than `declared`: a check switched off, a lower acceptance floor,
-        a larger perplexity, KL or flip allowance for a shipped scheme. [] when these are as strict or stricter."""
+    def waivers(self, stricter: Gates, schemes: list[str] | tuple[str, ...]) -> list[dict[str, Any]]:
+        """Every way these gates are weaker than `stricter` (the built-in defaults, or the recipe's own gates):
+        a check switched off, a lower floor, a larger perplexity, KL, flip or accuracy-drop allowance for a
+        shipped scheme, each as {gate, from: its value in `stricter`, to: its value here}. [] when these are as
+        strict or stricter. A scheme without a limit on either side is skipped (a new limit loosens nothing;
+        a missing one is an error of its own, before the release starts)."""
         out = []
         for name in ("finetune_improves", "speculative_lossless"):
-            if getattr(declared, name) and not getattr(self, name):
-                out.append({"gate": f"evaluate.gates.{name}", "declared": True, "effective": False})
+            if getattr(stricter, name) and not getattr(self, name):
+                out.append({"gate": f"evaluate.gates.{name}", "from": True, "to": False})
         for name in ("min_acceptance_length", "min_preference_accuracy", "min_task_accuracy", "min_rl_accuracy_gain"):
-            if getattr(self, name) < getattr(declared, name):
-                out.append({"gate": f"evaluate.gates.{name}", "declared": getattr(declared, name),
-                            "effective": getattr(self, name)})
-        if self.max_task_accuracy_drop > declared.max_task_accuracy_drop:
-            out.append({"gate": "evaluate.gates.max_task_accuracy_drop", "declared": declared.max_task_accuracy_drop,
-                        "effective": self.max_task_accuracy_drop})
+            if getattr(self, name) < getattr(stricter, name):
+                out.append({"gate": f"evaluate.gates.{name}", "from": getattr(stricter, name),
+                            "to": getattr(self, name)})
+        if self.max_task_accuracy_drop > stricter.max_task_accuracy_drop:
+            out.append({"gate": "evaluate.gates.max_task_accuracy_drop", "from": stricter.max_task_accuracy_drop,
+                        "to": self.max_task_accuracy_drop})
         for gate in self.QUANT_GATES:
             for scheme in schemes:
                 try:
-                    was = declared.quant_limit(scheme, gate)
+                    was, now = stricter.quant_limit(scheme, gate), self.quant_limit(scheme, gate)
                 except ValueError:
-                    continue  # a scheme the command line added: its limit is new, not loosened
-                if self.quant_limit(scheme, gate) > was:
-                    out.append({"gate": f"evaluate.gates.{gate}[{scheme}]", "declared": was,
-                                "effective": self.quant_limit(scheme, gate)})
+                    continue
+                if now > was:
+                    out.append({"gate": f"evaluate.gates.{gate}[{scheme}]", "from": was, "to": now})
         return out

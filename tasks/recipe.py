@@ -1,7 +1,9 @@
 """Release recipes: YAML (`tasks/recipes/<name>.yaml` or a file path, `extends:` another recipe) plus
 `--set key=value` overrides, written over the defaults of `tasks/configs.py` section by section and
-validated once into `ReleaseConfig`; gates an override loosens become recorded waivers. The one `--set`
-parser (`parse_overrides`, `apply_overrides`) serves `forgeline` and every `python -m tasks.<stage>`.
+validated once into `ReleaseConfig`. A gate the recipe (or one it extends) sets weaker than its built-in
+default needs the recipe's reason (`evaluate.gates.reasons`, `refresh.reasons`), and a gate an override
+loosens needs `--allow-weaker-gates`; both become recorded waivers. The one `--set` parser
+(`parse_overrides`, `apply_overrides`) serves `forgeline` and every `python -m tasks.<stage>`.
 
 An unknown or ill-typed key is a `ConfigError` whose one-line message names the key; nothing runs.
 """
@@ -101,8 +103,8 @@ def recipe_path(name_or_file: str) -> Path:
     return p
 
 
-def _recipe_data(name_or_file: str, seen: tuple[Path, ...] = ()) -> tuple[Path, dict[str, Any]]:
-    """A recipe's mapping with its `extends: <recipe>` chain merged in (the extending file wins)."""
+def _recipe_chain(name_or_file: str, seen: tuple[Path, ...] = ()) -> list[tuple[Path, dict[str, Any]]]:
+    """A recipe and every recipe it `extends:`, most derived first, each with the mapping its own file states."""
     path = recipe_path(name_or_file)
     if path.resolve() in seen:
         raise ConfigError(f"{path}: extends itself (through {' -> '.join(p.name for p in seen)})")
@@ -115,12 +117,20 @@ def _recipe_data(name_or_file: str, seen: tuple[Path, ...] = ()) -> tuple[Path, 
     data = _expand_shorthands(data)
     parent = data.pop("extends", None)
     if parent is None:
-        return path, data
+        return [(path, data)]
     if not isinstance(parent, str):
         raise ConfigError(f"{path}: extends: expected a recipe name or file (got {parent!r})")
     if not Path(parent).is_absolute() and (path.parent / parent).exists():
         parent = str(path.parent / parent)
-    return path, deep_merge(_recipe_data(parent, seen + (path.resolve(),))[1], data)
+    return [(path, data), *_recipe_chain(parent, seen + (path.resolve(),))]
+
+
+def _merged(chain: list[tuple[Path, dict[str, Any]]]) -> dict[str, Any]:
+    """The chain's mappings merged, each file over the one it extends."""
+    out: dict[str, Any] = {}
+    for _, data in reversed(chain):
+        out = deep_merge(out, data)
+    return out
 
 
 def over_defaults(default: BaseModel, data: dict[str, Any]) -> dict[str, Any]:
@@ -136,42 +146,100 @@ def over_defaults(default: BaseModel, data: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def load_recipe(name_or_file: str = "tiny", overrides: list[str] | None = None) -> ReleaseConfig:
-    path, data = _recipe_data(name_or_file)
+def _stating_file(chain: list[tuple[Path, dict[str, Any]]], gate: str) -> Path:
+    """The file of the chain (most derived first) that states `gate` (`evaluate.gates.max_quant_kl_p99[int8]`
+    is stated by the file that states `evaluate.gates.max_quant_kl_p99`)."""
+    for path, data in chain:
+        node: Any = data
+        for part in gate.split("[")[0].split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        if node is not None:
+            return path
+    return chain[0][0]
+
+
+def _show(value: Any) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def _recipe_waivers(chain: list[tuple[Path, dict[str, Any]]], recipe: ReleaseConfig,
+                    effective: ReleaseConfig) -> list[dict[str, Any]]:
+    """Every gate the recipe (with what it extends) holds weaker than the built-in default, with the reason the
+    recipe states for it (`evaluate.gates.reasons.<gate>`, `refresh.reasons.min_acceptance_ratio`): a gate
+    lowered without one is a ConfigError naming the file that lowers it. Recorded: those still weaker than the
+    default once `--set` applies, for the schemes `effective` ships; `to` is the recipe's value."""
+    default = ReleaseConfig()
+    schemes = tuple(dict.fromkeys((*recipe.quantize.schemes, *effective.quantize.schemes)))
+    in_force = {w["gate"] for w in gate_waivers(default, effective)}
+    out = []
+    for w in gate_waivers(default, recipe, schemes):
+        section, name = w["gate"].split("[")[0].rsplit(".", 1)
+        reasons = recipe.evaluate.gates.reasons if section == "evaluate.gates" else recipe.refresh.reasons
+        stated_by = _stating_file(chain, w["gate"])
+        if name not in reasons:
+            raise ConfigError(f"recipe {stated_by.name}: {w['gate']}: {_show(w['to'])} is weaker than the built-in "
+                              f"default {_show(w['from'])}; state why as {section}.reasons.{name} (the release "
+                              f"records it as a waiver)")
+        if w["gate"] in in_force:
+            out.append({**w, "source": stated_by.name, "reason": reasons[name]})
+    return out
+
+
+def _load(name_or_file: str, overrides: list[str] | None) -> tuple[ReleaseConfig, ReleaseConfig, list[dict[str, Any]]]:
+    """(the recipe alone, the recipe with the overrides, the recipe's waivers in force)."""
+    chain = _recipe_chain(name_or_file)
+    path, data = chain[0][0], _merged(chain)
     sets = parse_overrides(overrides or [])
     stated = deep_merge(data, sets)
-    for key, section in (("waivers", stated), ("evaluate.declared_gates", stated.get("evaluate"))):
+    for key, section in (("waivers", stated), ("evaluate.declared_gates", stated.get("evaluate")),
+                         ("evaluate.waivers", stated.get("evaluate"))):
         if isinstance(section, dict) and key.rsplit(".", 1)[-1] in section:
             raise ConfigError(f"recipe {path.name}: '{key}' is recorded by forgeline, not set by a recipe or --set")
     # `--set a.b.key=value` changes one key of whatever is in force, a mapping's too
-    return validate(ReleaseConfig, deep_merge(over_defaults(ReleaseConfig(), data), sets), f"recipe {path.name}")
+    effective = validate(ReleaseConfig, deep_merge(over_defaults(ReleaseConfig(), data), sets), f"recipe {path.name}")
+    recipe = validate(ReleaseConfig, over_defaults(ReleaseConfig(), data), f"recipe {path.name}") if sets \
+        else effective
+    return recipe, effective, _recipe_waivers(chain, recipe, effective)
 
 
-def gate_waivers(declared: ReleaseConfig, effective: ReleaseConfig) -> list[dict[str, Any]]:
-    """Every gate `effective` (the recipe plus command-line overrides) holds less strictly than `declared`
-    (the recipe alone): the release's eval gates and the draft refresh's promotion ratio."""
-    out = effective.evaluate.gates.waivers(declared.evaluate.gates, effective.quantize.schemes)
-    if effective.refresh.min_acceptance_ratio < declared.refresh.min_acceptance_ratio:
-        out.append({"gate": "refresh.min_acceptance_ratio", "declared": declared.refresh.min_acceptance_ratio,
-                    "effective": effective.refresh.min_acceptance_ratio})
+def load_recipe(name_or_file: str = "tiny", overrides: list[str] | None = None) -> ReleaseConfig:
+    """The recipe with its overrides, validated; a gate the recipe lowers below its default without a stated
+    reason is a ConfigError. The waivers are recorded by `load_release`."""
+    return _load(name_or_file, overrides)[1]
+
+
+def gate_waivers(stricter: ReleaseConfig, weaker: ReleaseConfig,
+                 schemes: tuple[str, ...] | None = None) -> list[dict[str, Any]]:
+    """Every gate `weaker` holds less strictly than `stricter` ({gate, from, to}): the release's eval gates for
+    `schemes` (default: those `weaker` ships) and the draft refresh's promotion ratio."""
+    out = weaker.evaluate.gates.waivers(stricter.evaluate.gates,
+                                        weaker.quantize.schemes if schemes is None else schemes)
+    if weaker.refresh.min_acceptance_ratio < stricter.refresh.min_acceptance_ratio:
+        out.append({"gate": "refresh.min_acceptance_ratio", "from": stricter.refresh.min_acceptance_ratio,
+                    "to": weaker.refresh.min_acceptance_ratio})
     return out
 
 
 def load_release(name_or_file: str = "tiny", overrides: list[str] | None = None, *,
                  allow_weaker_gates: bool = False) -> ReleaseConfig:
-    """The recipe with its overrides, as a release runs it. An override may make a gate stricter; one that
-    loosens or disables a gate is a ConfigError unless `allow_weaker_gates`, and is then recorded in
-    `waivers` (and the recipe's own gates in `evaluate.declared_gates`, so the report judges both)."""
-    effective = load_recipe(name_or_file, overrides)
-    waivers = gate_waivers(load_recipe(name_or_file), effective) if overrides else []
-    if not waivers:
-        return effective
-    if not allow_weaker_gates:
-        w = waivers[0]
-        more = f" (and {len(waivers) - 1} more)" if len(waivers) > 1 else ""
-        raise ConfigError(f"--set {w['gate']}: {w['effective']} is weaker than the recipe's {w['declared']}{more}; "
+    """The recipe with its overrides, as a release runs it, with every waiver recorded in `waivers` and
+    `evaluate.waivers` ({gate, from, to, source, reason}): each gate the recipe holds below its built-in
+    default (source: the file that lowers it, reason: the recipe's), and each an override loosens below the
+    recipe (source: "--set"). An override may make a gate stricter; one that loosens or disables a gate is a
+    ConfigError unless `allow_weaker_gates` (and then the recipe's own gates go to `evaluate.declared_gates`,
+    so the report judges both)."""
+    recipe, effective, waivers = _load(name_or_file, overrides)
+    loosened = [{**w, "source": "--set", "reason": None} for w in gate_waivers(recipe, effective)] if overrides \
+        else []
+    if loosened and not allow_weaker_gates:
+        w = loosened[0]
+        more = f" (and {len(loosened) - 1} more)" if len(loosened) > 1 else ""
+        raise ConfigError(f"--set {w['gate']}: {w['to']} is weaker than the recipe's {w['from']}{more}; "
                           f"pass --allow-weaker-gates to release anyway (recorded as a waiver, the release "
                           f"pointer then moves only if the declared gates pass)")
-    declared = load_recipe(name_or_file).evaluate.gates
-    evaluate = effective.evaluate.model_copy(update={"declared_gates": declared})
+    waivers += loosened
+    if not waivers:
+        return effective
+    evaluate = effective.evaluate.model_copy(update={"waivers": tuple(waivers),
+                                                     **({"declared_gates": recipe.evaluate.gates} if loosened else {})})
     return effective.model_copy(update={"evaluate": evaluate, "waivers": tuple(waivers)})

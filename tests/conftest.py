@@ -261,6 +261,7 @@ def pytest_sessionfinish(session, exitstatus):
 # `released` (test_release_flow reads it, test_faults compares its bundles' digests with it) is built once.
 LONGEST_FIRST = [
     "tests/integration/test_default_release.py",  # the README's release, then its cached rerun
+    "tests/integration/test_grpo_release.py",  # the tiny-grpo release and its RL gain gate
     "tests/integration/test_faults.py",  # with test_release_flow.py: the `released` smoke release
     "tests/integration/test_release_flow.py",
     "tests/integration/test_workers.py",  # the local stack and a release on its workers

@@ -176,13 +176,20 @@ def case_group_size_does_not_divide(d, ctx):
 def case_scheme_without_gate_limit(d, ctx):
     tiny = (ROOT / "tasks" / "recipes" / "tiny.yaml").read_text()  # (extends would merge the maps of limits)
     assert "\n  gates:\n" in tiny and "max_quant_ppl_increase" not in tiny  # the recipe states its limits whole
-    return recipe_file(d, tiny.replace("\n  gates:\n", "\n  gates:\n    max_quant_ppl_increase: {int8: 0.01}\n", 1))
+    # int8's limit at its default (a weaker one would be refused first, for want of a reason)
+    return recipe_file(d, tiny.replace("\n  gates:\n", "\n  gates:\n    max_quant_ppl_increase: {int8: 0.005}\n", 1))
 
 
 @case("`--set evaluate.gates.min_acceptance_length=0` without `--allow-weaker-gates`",
       "--set evaluate.gates.min_acceptance_length: 0.0 is weaker than the recipe's 2.0", code=2)
 def case_gate_loosened_without_flag(d, ctx):
     return sets("evaluate.gates.min_acceptance_length=0")
+
+
+@case("a recipe that lowers a gate below its default without `evaluate.gates.reasons`",
+      "recipe recipe.yaml: evaluate.gates.min_acceptance_length: 0.5 is weaker than the built-in default 1.2", code=2)
+def case_gate_lowered_without_reason(d, ctx):
+    return recipe_file(d, f"extends: {SMOKE}\nevaluate:\n  gates: {{min_acceptance_length: 0.5}}\n")
 
 
 @case("a recipe that enables no gate", "evaluate.gates: no gate is enabled", code=2)
