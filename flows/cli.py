@@ -120,26 +120,28 @@ def _preflight(recipe: str, overrides: list[str], store: str, allow_weaker_gates
                 _fail(f"{field}: cannot read {url} ({_first_line(e)})")
     from tasks.data_prep import check_corpus
 
+    template = None  # the base checkpoint's own chat template, which data_prep renders conversations with
+    if cfg.base.url is not None:
+        from tasks.base_model import check_base
+
+        try:  # the listing's keys, the tokenizer, its chat template and the safetensors headers: no weight
+            template = check_base(cfg.base.url, listed["base.url"])
+        except ValueError as e:
+            _fail(_first_line(e))
+        except Exception as e:  # an endpoint that stopped answering, refused credentials
+            _fail(f"base.url: cannot read {cfg.base.url} ({_first_line(e)})")
     for field, data in corpora:
         if cfg.base.url is not None and field == "base.data.corpus":
             continue  # no pretraining: the base corpus is not read
         try:
-            check_corpus(data, needs_pairs=field == "data.corpus" and cfg.finetune.method == "dpo")
+            check_corpus(data, needs_pairs=field == "data.corpus" and cfg.finetune.method == "dpo",
+                         template=template if field != "base.data.corpus" else None)
         except ValueError as e:
             _fail(f"{field}: {_first_line(e).removeprefix('corpus: ')}")
     try:
         _check_quantize(cfg)
     except ValueError as e:
         _fail(f"quantize: {e}", 2)
-    if cfg.base.url is not None:
-        from tasks.base_model import check_base
-
-        try:  # the listing's keys, the tokenizer and the safetensors headers: no weight is read
-            check_base(cfg.base.url, listed["base.url"])
-        except ValueError as e:
-            _fail(_first_line(e))
-        except Exception as e:  # an endpoint that stopped answering, refused credentials
-            _fail(f"base.url: cannot read {cfg.base.url} ({_first_line(e)})")
     if cfg.execution.mode == "workers":
         from flows.execution import StageRunFailed, check_workers
         from tasks.registry import STAGES

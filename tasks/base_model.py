@@ -25,6 +25,7 @@ import models
 import storage
 from tasks.cli import OPTIONAL_PATH, stage_main
 from tasks.configs import BaseModelConfig, ModelShape
+from tasks.data import chat
 from tasks.stage import StageContext
 from tasks.training.checkpoints import Checkpoints
 from tasks.training.loop import Progress, fit
@@ -80,12 +81,14 @@ def import_checkpoint(url: str, out_dir: Path) -> dict[str, Any]:
         raise ValueError(f"base.url: {msg.replace(str(local), storage.normalize_url(url))}") from None
 
 
-def check_base(url: str, files: list[str] | None = None) -> None:
+def check_base(url: str, files: list[str] | None = None) -> chat.ChatTemplate | None:
     """`import_checkpoint`'s checks made on `url` in place, reading only its listing (`files`, when the caller
     listed it already), config.json, the tokenizer files and the safetensors headers, never a weight: what
     `forgeline release` runs before Prefect starts, so a broken checkpoint is one error line within seconds
     rather than a failed stage. The stage still checks the copy it imports (and the contents of quantized
-    modules, which only a load reads). Raises ValueError prefixed `base.url:`, naming the user's URL or file."""
+    modules, which only a load reads). Raises ValueError prefixed `base.url:`, naming the user's URL or file.
+    Returns the checkpoint's own chat template (None: it has none, data_prep's default applies), named by
+    base.url's files, for the corpus check to render the corpus's conversations with."""
     base = storage.normalize_url(url)
     nowhere = Path(tempfile.gettempdir()) / "forgeline-base-check" / "model"  # never created: keys are only checked
     local = storage.local_path(base)
@@ -102,7 +105,7 @@ def check_base(url: str, files: list[str] | None = None) -> None:
             raise ValueError(str(e) if local is None else str(e).replace(str(local), base)) from None
         tokenizer = storage.join(base, "tokenizer.json")
         tok_cfg = storage.join(base, "tokenizer_config.json")
-        _check_tokenizer(storage.read_bytes(tokenizer).decode("utf-8", errors="replace"), tokenizer,
+        return _check_tokenizer(storage.read_bytes(tokenizer).decode("utf-8", errors="replace"), tokenizer,
                          storage.read_bytes(tok_cfg) if "tokenizer_config.json" in names else None, tok_cfg,
                          model.config.vocab_size,
                          storage.read_bytes(storage.join(base, "chat_template.jinja"))
@@ -124,13 +127,13 @@ def _check_files(url: str, names: set[str]) -> None:
 
 
 def _check_tokenizer(text: str, where: str, config: bytes | None, config_where: str, rows: int,
-                     template_file: bytes | None = None, folder: str = "") -> None:
+                     template_file: bytes | None = None, folder: str = "") -> chat.ChatTemplate | None:
     """tokenizer.json (`text`, read from `where`) and tokenizer_config.json (`config`, None when absent): a
     tokenizer whose special tokens are found and whose vocabulary fits the model's `rows` embedding rows; and
     its chat template (chat_template.jinja in `folder`, `template_file`, else tokenizer_config.json's), when it
     has one, compiles and renders a one-exchange conversation, with and without the generation prompt (what
-    data_prep renders chat documents with, and what the release ships: tasks/data/chat.py)."""
-    from tasks.data import chat
+    data_prep renders chat documents with, and what the release ships: tasks/data/chat.py). Returns that
+    template (errors name the files under `base.url: <folder>`), None without one."""
     from tasks.data.tokens import find_special_tokens
 
     try:
@@ -149,7 +152,7 @@ def _check_tokenizer(text: str, where: str, config: bytes | None, config_where: 
     if vocab > rows:
         raise ValueError(f"{where}: {vocab} tokens, but the model's embedding has {rows} rows")
     if template_file is None and not (isinstance(given, dict) and given.get("chat_template") is not None):
-        return  # data_prep's default template, ours
+        return None  # data_prep's default template, ours
     try:
         source = template_file.decode("utf-8") if template_file is not None else None
     except UnicodeDecodeError as e:
@@ -158,6 +161,8 @@ def _check_tokenizer(text: str, where: str, config: bytes | None, config_where: 
     exchange = [{"role": "user", "content": "Hello."}, {"role": "assistant", "content": "Hi."}]
     template.render(exchange)  # ValueError naming the file and key: not Jinja, or its rendering failed
     template.render(exchange[:1], add_generation_prompt=True)
+    return chat.load(given if isinstance(given, dict) else None, sp, template_file=source,
+                     folder=f"base.url: {folder}" if "://" in folder else folder)
 
 
 def _check_import(url: str, local: Path) -> dict[str, Any]:

@@ -602,12 +602,15 @@ def _publish(work: Path, out_dir: Path) -> None:
 PREFLIGHT_DOCUMENTS = 10_000
 
 
-def check_corpus(cfg: DataPrepConfig, limit: int = PREFLIGHT_DOCUMENTS, *, needs_pairs: bool = False) -> int:
+def check_corpus(cfg: DataPrepConfig, limit: int = PREFLIGHT_DOCUMENTS, *, needs_pairs: bool = False,
+                 template: chat.ChatTemplate | None = None) -> int:
     """Read and validate the first `limit` documents of the corpus, without tokenizing: an unknown builtin,
     an unreadable file, a malformed record or an empty corpus raises ValueError naming the file (and line)
     before any stage runs. The stage itself still reads everything; a bad record past `limit` fails there.
     `needs_pairs` (preference optimisation): a corpus without chosen/rejected records among them is an error
-    too. Returns the number of documents read."""
+    too. `template` (the base checkpoint's chat template): its conversations are rendered with it as the
+    stage will, so a template that refuses one (a role it does not take, not prefix-stable) is an error
+    naming the template's file and the document. Returns the number of documents read."""
     source = corpora.resolve(cfg.corpus, format=cfg.format, text_field=cfg.text_field,
                              messages_field=cfg.messages_field)
     if cfg.corpus.startswith("builtin://"):  # shipped with Python or a package: known good
@@ -621,6 +624,11 @@ def check_corpus(cfg: DataPrepConfig, limit: int = PREFLIGHT_DOCUMENTS, *, needs
     if needs_pairs and not any(d.rejected is not None for d in docs):
         raise ValueError(f"corpus: finetune.method dpo needs preference pairs (chosen/rejected records), and the "
                          f"first {len(docs)} documents of {cfg.corpus} hold none")
+    if template is not None:
+        for d in docs:
+            for one in (d, d.rejected):
+                if one is not None and one.messages is not None:
+                    _chat_pieces(one, template)
     return len(docs)
 
 

@@ -478,9 +478,9 @@ def case_base_chat_template_not_jinja(d, ctx):
     return sets(f"base.url=file://{d}/base")
 
 
-@case("a base chat template that refuses a conversation of the corpus (found by data_prep, in a stage)",
-      "error: base.url: file://{dir}/base/tokenizer_config.json: chat_template: rendering failed (TemplateError: "
-      "no system messages)", stage=True)
+@case("a base chat template that refuses a conversation of the corpus",
+      "error: data.corpus: base.url: file://{dir}/base/tokenizer_config.json: chat_template: rendering failed "
+      "(TemplateError: no system messages) (document 'corpus.jsonl:21')")
 def case_base_chat_template_refuses_a_document(d, ctx):
     set_chat_template(base_copy(d, ctx), "{% for m in messages %}{% if m.role == 'system' %}"
                       "{{ raise_exception('no system messages') }}{% endif %}{{ m.role }}: {{ m.content }}\n"

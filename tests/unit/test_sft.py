@@ -212,6 +212,37 @@ def test_template_sources_and_environment(tmp_path):
     assert t.render(msgs).startswith("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n")
 
 
+def test_template_errors_name_what_the_user_set_not_a_copy(tmp_path):
+    """A base checkpoint's template that refuses a conversation: the corpus check (forgeline release's
+    preflight) and the data_prep stage both name base.url's file and the document, never the store's or the
+    work folder's copy of the checkpoint."""
+    from types import SimpleNamespace
+
+    from tasks import data_prep
+
+    refusing = ("{% for m in messages %}{% if m.role == 'system' %}{{ raise_exception('no system messages') }}"
+                "{% endif %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")  # fmt: skip
+    artifact = tmp_path / "store" / "base" / "0123" / "model"  # where a stage finds its tokenizer input
+    chatml_tokenizer(artifact, {"chat_template": refusing, "eos_token": "<|im_end|>"})
+    (artifact / "config.json").write_text("{}")  # what marks the checkpoint folder inside the artifact
+    corpus = write_jsonl(tmp_path / "chats.jsonl", CONVERSATIONS[:4])  # conversation(i) opens with a system turn
+    context = SimpleNamespace(refs={"tokenizer": "ref"},
+                              store=SimpleNamespace(manifest=lambda ref: {"config": {"url": "s3://bucket/ckpt"}}))
+    with pytest.raises(ValueError) as e:
+        data_prep.run(cfg(corpus=str(corpus)), {"tokenizer": artifact.parent}, tmp_path / "out", context=context)
+    assert str(e.value).startswith("base.url: s3://bucket/ckpt/tokenizer_config.json: chat_template: rendering "
+                                   "failed (TemplateError: no system messages) (document "), str(e.value)
+    assert str(tmp_path) not in str(e.value)
+    # the preflight renders them with the template check_base returns, named the same way
+    sp = {"bos_token": None, "eos_token": "<|im_end|>"}
+    template = chat.load({"chat_template": refusing}, sp, folder="base.url: s3://bucket/ckpt")
+    with pytest.raises(ValueError, match=r"^base\.url: s3://bucket/ckpt/tokenizer_config\.json: chat_template: "
+                                         r"rendering failed .*\(document 'c0'\)$"):
+        data_prep.check_corpus(cfg(corpus=str(corpus)), template=template)
+    assert data_prep.check_corpus(cfg(corpus=str(corpus))) == 4  # no template given: not rendered
+
+
 def test_template_that_is_not_prefix_stable_is_rejected(tmp_path):
     tok_json = chatml_tokenizer(tmp_path / "tok", {"chat_template": LAST_TURN_THINK_TEMPLATE,
                                                    "eos_token": "<|im_end|>"})
