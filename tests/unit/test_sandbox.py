@@ -482,12 +482,11 @@ def test_the_boundary_holds_in_every_setup(monkeypatch):
     worker that is itself unprivileged (user namespace). Run by a user other than root, the test is that
     unprivileged worker itself, hook on and off. `-s` prints the table."""
     root = os.geteuid() == 0
-    system_python = "/usr/bin/python3.11"
-    python_nobody = sys.executable if sandbox._traversable_by_others(sys.executable, readable=True) else system_python
-    if root and not (
-        os.access(system_python, os.X_OK) and sandbox._traversable_by_others(system_python, readable=True)
-    ):
-        pytest.fail(f"the unprivileged setups need a Python that `nobody` can run: {system_python}")
+    candidates = [sys.executable, f"/usr/bin/python{sys.version_info.major}.{sys.version_info.minor}"]
+    usable = [p for p in candidates if os.access(p, os.X_OK) and sandbox._traversable_by_others(p, readable=True)]
+    if root and not usable:
+        pytest.fail(f"the unprivileged setups need a Python of this version that `nobody` can run: {candidates}")
+    python_nobody = usable[0] if usable else sys.executable
     base = Path(tempfile.mkdtemp(prefix="forgeline-boundary-", dir="/tmp"))
     victim = server = None
     try:
@@ -528,7 +527,7 @@ def test_the_boundary_holds_in_every_setup(monkeypatch):
             probe = run(PROBE)
             assert int(probe.stdout.split()[0]) == uid, probe
             columns["nobody, hook off"] = runs(audit_hook=False)
-            results = _unprivileged_worker(list(programs.values()), system_python, shared)
+            results = _unprivileged_worker(list(programs.values()), python_nobody, shared)
             columns["unprivileged worker, hook off"] = dict(zip(programs, results, strict=True))
         else:
             columns["unprivileged worker, hook on"] = runs()
