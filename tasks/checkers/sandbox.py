@@ -20,9 +20,9 @@ the namespaces, mounts the new /proc, maps the user namespace, forks and forward
 the system-call filter (the worker compiles the policy with it, through the `pyseccomp` ctypes binding, once per
 process, and ships the compiled BPF to the child, which only loads it). Landlock has no such tool in the
 standard library: its three system calls are made through ctypes, 60 lines. bubblewrap and nsjail would do the
-namespaces and mounts too, but they are not on a base system (`apt-get install bubblewrap` needs root) and do
-not do Landlock. No fallback: where a layer cannot be set up (no user namespaces, no Landlock, no libseccomp),
-`run_python` raises `SandboxUnavailable` rather than running the code with less.
+namespaces and mounts too, but they are not on a base system (`apt-get install bubblewrap` needs root), and
+bubblewrap does not set up Landlock. No fallback: where a layer cannot be set up (no user namespaces, no
+Landlock, no libseccomp), `run_python` raises `SandboxUnavailable` rather than running the code with less.
 
 The layers, and what each one defends against (the kernel-enforced ones first):
 
