@@ -152,9 +152,28 @@ def size_of(url: str) -> int:
 
 
 def write_bytes(url: str, data: bytes) -> None:
-    """A single-object write: atomic per key on S3, the only atomic primitive we rely on."""
-    with open_url(url, "wb") as f:
-        f.write(data)
+    """A single-object write that readers see whole or not at all, the one atomic primitive we rely on:
+    S3 `PutObject` is atomic per key; on local disk the bytes go to a hidden temporary file in the same
+    folder that then replaces the name with rename(2), which is atomic
+    (https://pubs.opengroup.org/onlinepubs/9699919799/functions/rename.html) -- opening the name with
+    `wb` would truncate it first, and a process killed between the truncate and the write would leave an
+    empty object (a checkpoint pointer nobody can parse)."""
+    fs_, path = _fs(url)
+    if scheme_of(url) != "file":
+        with open_url(url, "wb") as f:
+            f.write(data)
+        return
+    parent = posixpath.dirname(path)
+    if parent:
+        fs_.makedirs(parent, exist_ok=True)
+    tmp = posixpath.join(parent, f".{posixpath.basename(path)}.{uuid.uuid4().hex}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
 
 
 def create_bytes(url: str, data: bytes) -> bool:

@@ -84,6 +84,33 @@ def test_pointer_is_one_object(root, tmp_path):
     assert body["acceptance_length"] == 2.5
 
 
+def test_an_overwrite_is_seen_whole_or_not_at_all(root):
+    """write_bytes replacing an object (a checkpoint's latest.json, a pointer): a reader polling it while
+    it is rewritten sees the old bytes or the new ones, never an empty or partial object, and a folder
+    listing shows no leftover temporary files. (Truncating in place failed this: a SIGKILLed trainer
+    left an empty latest.json.)"""
+    url = storage.join(root, "ckpt/latest.json")
+    payloads = [bytes([i]) * (1 << 18) for i in range(1, 9)]  # 256 KiB each: the write takes a while
+    storage.write_bytes(url, payloads[0])
+    done, seen = threading.Event(), []
+
+    def poll():
+        while not done.is_set():
+            seen.append(storage.read_bytes(url))
+
+    reader = threading.Thread(target=poll)
+    reader.start()
+    try:
+        for i in range(40):
+            storage.write_bytes(url, payloads[i % len(payloads)])
+    finally:
+        done.set()
+        reader.join(30)
+    assert seen and all(b in payloads for b in seen), sorted({len(b) for b in seen if b not in payloads})
+    names = [u.rsplit("/", 1)[-1] for u in storage.list_files(storage.join(root, "ckpt"), hidden=True)]
+    assert names == ["latest.json"]
+
+
 def test_list_files_and_dirs(root, tmp_path):
     for rel in ("a/x.txt", "a/y/z.txt", "b.txt"):
         storage.write_bytes(storage.join(root, rel), rel.encode())
