@@ -8,6 +8,7 @@ pools when they are missing, moves the `stage/<kind>` deployments to the pools a
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
@@ -21,6 +22,10 @@ from prefect.exceptions import ObjectNotFound
 from prefect.schedules import Cron
 
 ROOT = Path(__file__).resolve().parent.parent
+PREFECT_FILE = ROOT / "infra" / "prefect.yaml"
+# The stage deployments of infra/prefect.yaml lie between these two lines, written by `stage_deployments`.
+BEGIN = "  # -- the stage/<kind> deployments, generated from tasks/configs.py STAGES: python -m flows.deploy --write"
+END = "  # -- end of the generated stage deployments"
 
 
 def _expand(value: Any) -> Any:
@@ -82,3 +87,61 @@ def deploy_all(prefect_file: Path, source: Path = ROOT, *, stage_pools: dict[str
         )
         out.append((f"{flow.name}/{dep['name']}", str(dep_id)))
     return out
+
+
+def stage_deployments() -> str:
+    """The `stage/<kind>` deployments, one per declared stage (tasks/configs.py `STAGES`), as the YAML that
+    infra/prefect.yaml holds between `BEGIN` and `END`: the stage's summary, the generic stage flow, and
+    the pool its default resources imply (`execution.cpu_pool` for a CPU stage, `gpu_pool` otherwise)."""
+    from tasks.configs import STAGES, ExecutionConfig
+
+    execution = ExecutionConfig()
+    blocks = []
+    for spec in STAGES.values():
+        blocks.append(f"""  - name: {spec.name}
+    description: {json.dumps(f"Stage {spec.name}: {spec.summary}")}
+    entrypoint: flows/stages.py:stage_flow
+    tags: [forgeline, "stage:{spec.name}"]
+    work_pool:
+      name: {execution.pool(spec.resources)}
+      job_variables:
+        image: "{{{{ $FORGELINE_IMAGE }}}}"
+""")
+    return "\n".join(blocks)
+
+
+def with_stage_deployments(text: str) -> str:
+    """`text` (infra/prefect.yaml) with its generated block replaced by what `stage_deployments` writes now."""
+    lines = text.splitlines(keepends=True)
+    try:
+        begin = next(i for i, ln in enumerate(lines) if ln.rstrip("\n") == BEGIN)
+        end = next(i for i, ln in enumerate(lines) if ln.rstrip("\n") == END)
+    except StopIteration:
+        raise ValueError(f"infra/prefect.yaml: the generated block's marker lines are missing ({BEGIN!r} ... "
+                         f"{END!r})") from None
+    return "".join(lines[:begin + 1]) + stage_deployments() + "".join(lines[end:])
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m flows.deploy --write` rewrites infra/prefect.yaml's stage deployments from `STAGES`;
+    `--check` exits 1 when the file is stale (a declared stage without its deployment, or the reverse)."""
+    import argparse
+    import sys
+
+    p = argparse.ArgumentParser(description=main.__doc__.splitlines()[0])
+    p.add_argument("--write", action="store_true")
+    p.add_argument("--check", action="store_true")
+    p.add_argument("--file", type=Path, default=PREFECT_FILE)
+    a = p.parse_args(argv)
+    text = a.file.read_text()
+    fresh = with_stage_deployments(text)
+    if a.write and fresh != text:
+        a.file.write_text(fresh)
+    elif a.check and fresh != text:
+        print(f"error: {a.file}: the stage deployments differ from tasks/configs.py STAGES "
+              "(python -m flows.deploy --write)", file=sys.stderr)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -23,7 +23,7 @@ from tokenizers import Tokenizer
 
 import models
 import storage
-from tasks.cli import OPTIONAL_PATH, stage_main
+from tasks.cli import stage_cli
 from tasks.configs import BaseModelConfig, ModelShape
 from tasks.data import chat
 from tasks.stage import StageContext
@@ -193,17 +193,8 @@ def run(config: BaseModelConfig, inputs: Mapping[str, Path], output: Path, *, pr
             ckpt.close()
 
 
-def main(argv: list[str] | None = None) -> None:
-    def run(cfg: BaseModelConfig, a) -> dict[str, Any]:
-        url = a.url or cfg.url
-        if url:
-            return import_checkpoint(url, a.out)
-        if a.data is None:
-            raise ValueError("--data: required to pretrain (or pass --url to import a checkpoint)")
-        return pretrain(cfg, a.data, a.out)
+main = stage_cli(__name__)  # `python -m tasks.base_model`: the command line its declaration implies (tasks/cli.py)
 
-    stage_main(__doc__, BaseModelConfig, {"--data": OPTIONAL_PATH, "--url": {"help": "import this HF checkpoint"}},
-               run, argv)
 
 if __name__ == "__main__":
     main()

@@ -1,4 +1,5 @@
-"""The command line every stage module shares: `python -m tasks.<stage> --in DIR ... --out DIR --set k=v`.
+"""The command line every stage module shares, derived from the stage's declaration (tasks/configs.py
+`STAGES`): `python -m tasks.<stage> --<input> DIR ... --out DIR --set k=v`.
 
 A stage runs as a plain process on a GPU node (no Prefect, no store): inputs and output are local
 folders, the config is the stage's schema plus `--set` overrides, the stats are printed as JSON.
@@ -18,8 +19,6 @@ from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel
-
-PATH = {"type": Path, "required": True}
 
 
 def cache_root() -> Path:
@@ -61,16 +60,27 @@ def configure_jax(compilation_cache: bool = True) -> None:
 def _first_line(e: BaseException) -> str:
     return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
-OPTIONAL_PATH = {"type": Path}
+def stage_main(kind: str, argv: list[str] | None = None) -> None:
+    """`python -m tasks.<module>` for the stage `kind`, read off its one declaration (tasks/configs.py
+    `STAGES`): a path flag per input (`--<name> DIR`, required or optional as the stage takes it), `--out`,
+    `--<key> VALUE` for each config key the record lists in `flags`, `--set key=value` for the rest, and for a
+    training stage `--checkpoints DIR [--store URL]` (resumable checkpoints, uploaded to and resumed from the
+    store). The stage runs through its `run(config, inputs, output, *, progress, context)`, as in a release."""
+    from tasks.recipe import ConfigError, apply_overrides, validate
+    from tasks.registry import stage
 
-
-def stage_main(doc: str, config_cls: type[BaseModel], args: dict[str, dict[str, Any]],
-               run: Callable[[Any, argparse.Namespace], dict[str, Any]], argv: list[str] | None = None) -> None:
-    from tasks.recipe import ConfigError, apply_overrides
-
-    p = argparse.ArgumentParser(description=doc.strip().splitlines()[0])
-    for flag, kwargs in {**args, "--out": PATH}.items():
-        p.add_argument(flag, **kwargs)
+    spec = stage(kind)
+    p = argparse.ArgumentParser(prog=f"python -m tasks.{spec.module}", description=f"Stage {kind}: {spec.summary}")
+    for name in spec.inputs:
+        p.add_argument(f"--{name}", type=Path, required=True, help=f"input `{name}`: a folder")
+    for name in spec.optional:
+        p.add_argument(f"--{name}", type=Path, help=f"optional input `{name}`: a folder")
+    p.add_argument("--out", type=Path, required=True, help="the output folder")
+    for key in spec.flags:
+        p.add_argument(f"--{key}", help=f"config key `{key}`, taken as written (short for --set {key}=VALUE)")
+    if spec.trains:
+        p.add_argument("--checkpoints", type=Path, help="local checkpoint folder (enables resume)")
+        p.add_argument("--store", help="also upload checkpoints to this store URL and resume from there")
     p.add_argument("--set", action="extend", nargs="+", default=[], metavar="KEY=VALUE",
                    help="override a config key (repeatable; values are YAML, as in `forgeline release --set`)")
     a = p.parse_args(argv)
@@ -78,17 +88,33 @@ def stage_main(doc: str, config_cls: type[BaseModel], args: dict[str, dict[str, 
     for noisy in ("jax", "absl", "orbax"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     try:
-        cfg = apply_overrides(config_cls(), a.set)
+        cfg = apply_overrides(validate(spec.config, {}, kind), a.set)
+        for key in spec.flags:
+            if (value := getattr(a, key)) is not None:
+                cfg = validate(spec.config, {**cfg.model_dump(mode="json"), key: value}, f"--{key}")
+        if spec.trains and a.store and not a.checkpoints:
+            raise ConfigError("--store: needs --checkpoints (the local folder its checkpoints are resumed into)")
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    inputs = {name: getattr(a, name) for name in spec.inputs + spec.optional if getattr(a, name) is not None}
+    _run(spec, cfg, inputs, a)
+
+
+def _run(spec: Any, cfg: BaseModel, inputs: dict[str, Path], a: argparse.Namespace) -> None:
+    from storage import Store
+    from tasks.stage import StageContext
     from tasks.training.config import TrainingDiverged
     from tasks.training.distributed import initialize_from_env
 
     configure_jax()
     try:
         initialize_from_env()  # a no-op unless JAX_COORDINATOR_ADDRESS etc. describe a multi-host job
-        stats = run(cfg, a)
+        context = None
+        if spec.trains and a.checkpoints:
+            context = StageContext(spec.name, "cli", a.out, inputs, {}, Store(a.store) if a.store else None,
+                                   local_checkpoints=a.checkpoints)
+        stats = spec.load().run(cfg, inputs, a.out, progress=None, context=context)
     except (ValueError, FileNotFoundError, PermissionError, NotImplementedError, TrainingDiverged) as e:
         print(f"error: {_first_line(e)}", file=sys.stderr)
         sys.exit(1)
@@ -97,3 +123,20 @@ def stage_main(doc: str, config_cls: type[BaseModel], args: dict[str, dict[str, 
         print(f"error: {type(e).__name__}: {_first_line(e)}", file=sys.stderr)
         sys.exit(1)
     print(json.dumps(stats, indent=1, default=str))
+
+
+def stage_cli(module: str) -> Callable[[list[str] | None], None]:
+    """The `main(argv)` of the stage whose module is `module` (a stage file's `__name__`; `__main__` under
+    `python -m` resolves to the module it runs)."""
+    if module == "__main__":  # run as `python -m tasks.<module>`: the stage's `run` is this very module's
+        module = sys.modules["__main__"].__spec__.name
+        sys.modules.setdefault(module, sys.modules["__main__"])  # not a second copy of it under its own name
+    from tasks.configs import STAGES
+
+    kind = next(s.name for s in STAGES.values() if f"tasks.{s.module}" == module)
+
+    def main(argv: list[str] | None = None) -> None:
+        stage_main(kind, argv)
+
+    main.__doc__ = f"`python -m {module}`: the command line of stage {kind} (tasks/cli.py stage_main)."
+    return main

@@ -1,23 +1,28 @@
-"""Every stage's config schema, in one place and in the order of the release DAG.
+"""Every stage's config schema and its one declaration (`STAGES`), in one place and in the order of the
+release DAG.
 
-A recipe (tasks/recipe.py) composes these into `ReleaseConfig`; a stage receives its own, typed and
-validated once. Each schema is frozen and forbids unknown keys, so a typo is an error naming the key
-(MaxText keeps its config types apart from the code that uses them in the same way: configs/types.py).
-Defaults live here and only here (the evaluation gates' in tasks/gates.py); recipes state differences
-from them.
+A recipe (tasks/recipe.py) composes these into `ReleaseConfig`, whose sections derive from `STAGES`; a stage
+receives its own, typed and validated once. Each schema is frozen and forbids unknown keys, so a typo is an
+error naming the key (MaxText keeps its config types apart from the code that uses them in the same way:
+configs/types.py). Defaults live here and only here (the evaluation gates' in tasks/gates.py); recipes state
+differences from them.
 """
 
 from __future__ import annotations
 
+import importlib
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
 from models.lora_targets import ALL_LINEAR
 from models.objectives import check_objective
 from models.quant.schemes import parse_scheme
 from tasks.data.corpora import SPECIAL_TOKENS
 from tasks.gates import Gates
+from tasks.resources import CPU, GPU, ExecutionConfig, KubernetesGangConfig, StageResources  # noqa: F401 (re-exported)
 from tasks.training.config import TrainConfig
 
 T = TypeVar("T")
@@ -471,6 +476,77 @@ class ExportConfig(BaseModel):
     enforce_gates: bool = True
 
 
+# -- every stage, declared once -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Stage:
+    """A stage's one declaration. Everything else about a stage derives from it: its section of
+    `ReleaseConfig` (`section`) and of `ResourcesConfig` (`resources`), its command line (`python -m
+    tasks.<module>`: a flag per input, tasks/cli.py), its registry entry (tasks/registry.py: fingerprint,
+    commit protocol) and its `stage/<name>` deployment (infra/prefect.yaml, flows/deploy.py).
+
+    `tasks/<module>.py` exposes `run(config, inputs, output, *, progress, context)`: the only way a stage
+    runs, from the release flow, a worker, a gang member or its command line. Nothing here imports it
+    (nor JAX): the module is imported when the stage first runs."""
+
+    name: str  # the stage kind: the store folder `<store>/<name>/<fingerprint>/`
+    module: str
+    config: type[BaseModel]
+    inputs: tuple[str, ...]  # required input artifacts, by the name `run` receives them under
+    optional: tuple[str, ...] = ()
+    trains: bool = False  # shows training progress; resumes from checkpoints (`--checkpoints`, `--store`)
+    resources: StageResources = GPU  # what one run needs unless `resources.<name>` says otherwise
+    section: str | None = None  # its `ReleaseConfig` section; None: the release builds its config itself
+    default: BaseModel | None = None  # the section's default where it differs from `config()`
+    summary: str = ""  # one line: its command's --help and its deployment's description
+    flags: tuple[str, ...] = ()  # config keys its command line also takes as `--<key> VALUE`, verbatim
+
+    def load(self) -> Any:
+        return importlib.import_module(f"tasks.{self.module}")
+
+    def check_inputs(self, inputs: Mapping[str, Any]) -> None:
+        missing = [n for n in self.inputs if n not in inputs]
+        unknown = [n for n in inputs if n not in self.inputs + self.optional]
+        if missing or unknown:
+            raise ValueError(f"stage {self.name}: inputs {sorted(inputs)} (missing {missing}, unknown {unknown}; "
+                             f"takes {list(self.inputs)} and optionally {list(self.optional)})")
+
+
+STAGES: dict[str, Stage] = {s.name: s for s in (
+    Stage("data_prep", "data_prep", DataPrepConfig, (), optional=("tokenizer",), resources=CPU, section="data",
+          default=DataPrepConfig(corpus="builtin://python-stdlib-functions"),
+          summary="Tokenize and pack a corpus into Parquet shards.", flags=("corpus",)),
+    Stage("base", "base_model", BaseModelConfig, (), optional=("data",), trains=True, section="base",
+          summary="Import base.url, or pretrain a base from scratch.", flags=("url",)),
+    Stage("finetune", "finetune", FinetuneConfig, ("base", "data"), optional=("traces",), trains=True,
+          section="finetune", summary="LoRA or full-parameter fine-tune."),
+    Stage("quantize", "quantize", QuantizeConfig, ("model", "data"), section="quantize",
+          summary="Calibrated quantization into compressed-tensors checkpoints."),
+    Stage("traces", "traces", TracesConfig, ("model", "data"), section="traces",
+          summary="The served model regenerates answers (the draft's training data)."),
+    Stage("draft", "draft", DraftConfig, ("target", "traces"), optional=("init",), trains=True, section="draft",
+          summary="Train the speculative-decoding draft candidates (EAGLE-3, P-EAGLE, DFlash, MTP)."),
+    Stage("evaluate", "evaluate", EvalConfig, ("finetune", "data"), optional=("base", "draft", "quant"),
+          section="evaluate", summary="Perplexity, quantization loss, speculative acceptance; the gates."),
+    Stage("export", "export", ExportConfig, ("base", "data", "finetune", "traces", "draft", "quant", "evaluate"),
+          resources=CPU, summary="Assemble the release bundle."),
+)}
+
+
+class _Resources(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    def of(self, kind: str) -> StageResources:
+        return getattr(self, kind)
+
+
+# `resources.<stage>` for every stage (`Stage.resources` by default: data prep and export on CPU nodes, the
+# rest on one GPU each).
+ResourcesConfig = create_model("ResourcesConfig", __base__=_Resources,
+                               **{s.name: (StageResources, s.resources) for s in STAGES.values()})
+
+
 # -- the release: every stage's section, and what ties them together -----------------------------
 
 
@@ -497,104 +573,22 @@ class RefreshConfig(BaseModel):
         return v
 
 
-class StageResources(BaseModel):
-    """What one run of a stage needs, and where it runs (workers execution only: never part of a fingerprint).
-
-    Mapped onto the work pool's job variables by flows/execution.py: on a Kubernetes pool `accelerators` is
-    the container's `nvidia.com/gpu`, `memory_gib` its memory, `node_selector`/`tolerations`/`image` the pod's;
-    on a process pool (one machine) only `hosts` and the environment apply.
-    """
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    accelerators: int = Field(0, ge=0, le=64)  # GPUs per host; 0: a CPU node
-    hosts: int = Field(1, ge=1, le=4096)  # > 1: the stage runs as one gang of `hosts` JAX processes
-    memory_gib: int | None = Field(None, ge=1)
-    # memory of one accelerator: the capacity planner checks the fine-tune against it before a release starts
-    accelerator_memory_gib: float | None = Field(None, gt=0)
-    cpus: int | None = Field(None, ge=1)
-    pool: str | None = None  # the work pool; None: execution.gpu_pool or execution.cpu_pool by `accelerators`
-    image: str | None = None
-    node_selector: dict[str, str] = {}
-    tolerations: tuple[dict[str, Any], ...] = ()
-
-
-_CPU, _GPU = StageResources(), StageResources(accelerators=1)
-
-
-class ResourcesConfig(BaseModel):
-    """`resources.<stage>` for every stage: data prep and export on CPU nodes, the rest on one GPU each."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    data_prep: StageResources = _CPU
-    base: StageResources = _GPU
-    finetune: StageResources = _GPU
-    quantize: StageResources = _GPU
-    traces: StageResources = _GPU
-    draft: StageResources = _GPU
-    evaluate: StageResources = _GPU
-    export: StageResources = _CPU
-
-    def of(self, kind: str) -> StageResources:
-        return getattr(self, kind)
-
-
-class KubernetesGangConfig(BaseModel):
-    """Where a multi-host stage's JobSet goes when its pool is a Kubernetes pool (flows/jobset.py)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    # None: the launcher pod's own namespace (its service account's), "default" outside a cluster.
-    namespace: str | None = None
-    # The gang's image when `resources.<stage>.image` is unset: infra/Dockerfile built with JAX_EXTRAS=cuda12.
-    image: str = "forgeline:cuda12"
-    # A ReadWriteMany volume claim every host mounts for the stage's checkpoints: orbax writes a multi-host
-    # checkpoint into one folder shared by all processes. Required for a multi-host training stage.
-    checkpoint_claim: str | None = None
-    # A Secret with the store's credentials (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_ENDPOINT_URL ...),
-    # loaded into every host's environment.
-    secret: str | None = "forgeline-s3"
-    service_account: str | None = None  # the gang's pods' (they need no Kubernetes API access)
-    # The launcher's (the stage's flow run pod): creates, watches, deletes the JobSet (infra/jobset/launcher-rbac.yaml)
-    launcher_service_account: str | None = "forgeline-launcher"
-    coordinator_port: int = Field(8476, ge=1024, le=65535)
-    shm_gib: int = Field(64, ge=1)  # /dev/shm (NCCL, data loaders)
-    scratch_gib: int = Field(512, ge=1)  # each host's local copy of the inputs and outputs
-
-
-class ExecutionConfig(BaseModel):
-    """How a release's stages are run: `inline` (every stage in the flow's own process, one after the other)
-    or `workers` (each stage a flow run of its own deployment on a work pool, independent stages at once)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    mode: Literal["inline", "workers"] = "inline"
-    gpu_pool: str = "forgeline-gpu"
-    cpu_pool: str = "forgeline-cpu"
-    # How long the orchestrator waits for one stage's flow run to end (a multi-day training stage needs more).
-    stage_timeout_s: int = Field(7 * 24 * 3600, ge=10)
-    # A stage run that ends Crashed (its worker died) is launched again this many times; it resumes from its
-    # checkpoints. Failed runs (a bad input, a diverged loss) are not retried.
-    crash_retries: int = Field(2, ge=0, le=10)
-    # Multi-host stages on a Kubernetes pool run as a JobSet (flows/jobset.py).
-    kubernetes: KubernetesGangConfig = KubernetesGangConfig()
-
-    def pool(self, resources: StageResources) -> str:
-        return resources.pool or (self.gpu_pool if resources.accelerators else self.cpu_pool)
-
-
-class ReleaseConfig(BaseModel):
+class _Named(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     name: str = "forgeline-tiny"
-    base: BaseModelConfig = BaseModelConfig()
-    data: DataPrepConfig = DataPrepConfig(corpus="builtin://python-stdlib-functions")
-    finetune: FinetuneConfig = FinetuneConfig()
-    traces: TracesConfig = TracesConfig()
-    draft: DraftConfig = DraftConfig()
-    quantize: QuantizeConfig = QuantizeConfig()
-    evaluate: EvalConfig = EvalConfig()
+
+
+# The release's name, then a section per stage that has one (`Stage.section`, typed by `Stage.config`).
+_StageSections = create_model("_StageSections", __base__=_Named, **{
+    s.section: (s.config, s.default if s.default is not None else s.config())
+    for s in STAGES.values() if s.section is not None})
+
+
+class ReleaseConfig(_StageSections):
+    """A whole release: every stage's section (from `STAGES`), the draft refresh, which model is served,
+    and where the stages run."""
+
     refresh: RefreshConfig = RefreshConfig()
     # The model the release serves and the draft is trained and measured against: the fine-tuned
     # weights or one of `quantize.schemes` (a quantized target shifts the distribution the draft must match).

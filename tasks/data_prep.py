@@ -73,14 +73,13 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from tasks.cli import stage_main
+from tasks.cli import stage_cli
 from tasks.configs import DataPrepConfig
 from tasks.data import chat, corpora
 from tasks.data.corpora import SPECIAL_TOKENS, Document
 from tasks.data.rows import PAIR_COLUMNS, PAIR_SCHEMA, PROMPT_SCHEMA, ROW_SCHEMA, SPLITS, pairs_table, rows_table
 from tasks.data.tokens import find_special_tokens
 from tasks.layout import model_dir
-from tasks.recipe import validate
 
 log = logging.getLogger(__name__)
 
@@ -643,13 +642,13 @@ def run_local(cfg: DataPrepConfig, out_dir: Path, *, tokenizer_json: Path | str 
 
 def run(config: DataPrepConfig, inputs: Mapping[str, Path], output: Path, *, progress: Any = None,
         context: Any = None) -> dict:
-    """The stage: optional input `tokenizer` (a checkpoint artifact whose tokenizer.json the data must use;
-    without it a tokenizer is trained on the corpus)."""
+    """The stage: optional input `tokenizer` (a checkpoint artifact whose tokenizer.json the data must use, or
+    that tokenizer.json itself; without it a tokenizer is trained on the corpus)."""
     tok = inputs.get("tokenizer")
     if tok is None:
         return run_local(config, output)
-    return run_local(config, output, tokenizer_json=model_dir(tok) / "tokenizer.json",
-                     tokenizer_origin=_tokenizer_origin(context))
+    tokenizer_json = tok if tok.is_file() else model_dir(tok) / "tokenizer.json"  # the command line's may be the file
+    return run_local(config, output, tokenizer_json=tokenizer_json, tokenizer_origin=_tokenizer_origin(context))
 
 
 def _tokenizer_origin(context: Any) -> str | None:
@@ -670,16 +669,7 @@ def _tokenizer_origin(context: Any) -> str | None:
     return f"base.url: {storage.normalize_url(url)}"
 
 
-def main(argv: list[str] | None = None) -> None:
-    def one(cfg: DataPrepConfig, a) -> dict:
-        if a.corpus is not None:  # a shorthand for --set corpus=..., taken as written (never parsed as YAML)
-            cfg = validate(DataPrepConfig, {**cfg.model_dump(mode="json"), "corpus": a.corpus}, "--corpus")
-        return run_local(cfg, a.out, tokenizer_json=a.tokenizer)
-
-    stage_main(__doc__, DataPrepConfig, {
-        "--corpus": {"help": "URL, path, glob or builtin://NAME (default: builtin://python-stdlib)"},
-        "--tokenizer": {"help": "a base checkpoint's tokenizer.json (or its folder) to use as is"},
-    }, one, argv)
+main = stage_cli(__name__)  # `python -m tasks.data_prep`: the command line its declaration implies (tasks/cli.py)
 
 
 if __name__ == "__main__":

@@ -56,7 +56,7 @@ from models.eagle3 import Eagle3Config, Eagle3Draft, build_draft_vocab, ttt_loss
 from models.eagle3.loss import ttt_unroll
 from models.layers import Buffer, param
 from models.speculative import speculative_generate
-from tasks.cli import PATH, stage_main
+from tasks.cli import stage_cli
 from tasks.configs import DraftCandidate, DraftConfig
 from tasks.data.features import load_hidden, target_features
 from tasks.layout import DRAFTS_FILE, draft_candidates, model_dir
@@ -464,9 +464,7 @@ def run(config: DraftConfig, inputs: Mapping[str, Path], output: Path, *, progre
                        progress=progress, init_dir=inputs.get("init"), context=context)
 
 
-def main(argv: list[str] | None = None) -> None:
-    stage_main(__doc__, DraftConfig, {"--target": PATH, "--traces": PATH},
-               lambda cfg, a: train_draft(cfg, model_dir(a.target), a.traces, a.out), argv)
+main = stage_cli(__name__)  # `python -m tasks.draft`: the command line its declaration implies (tasks/cli.py)
 
 
 if __name__ == "__main__":

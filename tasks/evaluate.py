@@ -1,6 +1,8 @@
 """Stage `evaluate`: held-out quality of every model in the release, and the gates export obeys.
 
-    python -m tasks.evaluate --base DIR --finetuned DIR --quantized int8=DIR --draft DIR --data DIR --out DIR
+    python -m tasks.evaluate --finetune DIR --data DIR [--base DIR --quant DIR --draft DIR] --out DIR
+
+(each DIR an artifact folder of that stage: `--quant` the quantize stage's output, a folder per scheme)
 
 Measured in one run, on the same held-out rows and prompts:
 - perplexity of the base, the fine-tuned model and each quantized variant (masked next-token loss
@@ -59,7 +61,7 @@ from models.drafts import load_draft, target_head
 from models.generate import generate
 from models.speculative import MTPDraft, is_block_draft, speculative_generate
 from tasks import checkers
-from tasks.cli import OPTIONAL_PATH, PATH, stage_main
+from tasks.cli import stage_cli
 from tasks.configs import EvalConfig, Gates
 from tasks.data.rows import documents_from_rows
 from tasks.eval_report import markdown
@@ -595,16 +597,8 @@ def run(config: EvalConfig, inputs: Mapping[str, Path], output: Path, *, progres
                     distilled=json.loads(distilled.read_text()) if distilled.is_file() else None)
 
 
-def main(argv: list[str] | None = None) -> None:
-    def run(cfg: EvalConfig, a) -> dict[str, Any]:
-        quantized = {s.split("=", 1)[0]: Path(s.split("=", 1)[1]) for s in a.quantized}
-        return evaluate(cfg, base=a.base and model_dir(a.base), finetuned=model_dir(a.finetuned), quantized=quantized,
-                        draft=a.draft, data_dir=a.data, out_dir=a.out)
+main = stage_cli(__name__)  # `python -m tasks.evaluate`: the command line its declaration implies (tasks/cli.py)
 
-    stage_main(__doc__, EvalConfig, {
-        "--base": OPTIONAL_PATH, "--finetuned": PATH, "--draft": OPTIONAL_PATH, "--data": PATH,
-        "--quantized": {"nargs": "*", "default": [], "metavar": "SCHEME=DIR"},
-    }, run, argv)
 
 if __name__ == "__main__":
     main()

@@ -30,9 +30,8 @@ from tokenizers import Tokenizer
 
 import models
 from models import lora
-from storage import Store
 from tasks import checkers, plots
-from tasks.cli import OPTIONAL_PATH, PATH, stage_main
+from tasks.cli import stage_cli
 from tasks.configs import FinetuneConfig
 from tasks.layout import model_dir
 from tasks.stage import StageContext
@@ -322,25 +321,8 @@ def run(config: FinetuneConfig, inputs: Mapping[str, Path], output: Path, *, pro
             sft.close()
 
 
-def main(argv: list[str] | None = None) -> None:
-    def run(cfg: FinetuneConfig, a) -> dict[str, Any]:
-        store = Store(a.store) if a.store else None
-        ckpt = Checkpoints(a.checkpoints, store, "finetune/cli", keep=cfg.train.keep_checkpoints) \
-            if a.checkpoints else None
-        try:
-            base = model_dir(a.base)
-            return finetune(cfg, base, a.data, a.out, traces_dir=a.traces, checkpoints=ckpt,
-                            base_name=str(base.resolve()))
-        finally:
-            if ckpt:
-                ckpt.close()
+main = stage_cli(__name__)  # `python -m tasks.finetune`: the command line its declaration implies (tasks/cli.py)
 
-    stage_main(__doc__, FinetuneConfig, {
-        "--base": PATH, "--data": PATH,
-        "--traces": {**OPTIONAL_PATH, "help": "method distill: the teacher's traces with top-k logits"},
-        "--checkpoints": {**OPTIONAL_PATH, "help": "local checkpoint folder (enables resume)"},
-        "--store": {"help": "also upload checkpoints to this store URL and resume from there"},
-    }, run, argv)
 
 if __name__ == "__main__":
     main()

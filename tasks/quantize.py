@@ -33,7 +33,7 @@ from flax import nnx
 import models
 from models import quant
 from models.layers import Buffer
-from tasks.cli import PATH, stage_main
+from tasks.cli import stage_cli
 from tasks.configs import CalibrationConfig, QuantizeConfig
 from tasks.layout import model_dir
 from tasks.stage import StageContext, write_report
@@ -171,9 +171,7 @@ def run(config: QuantizeConfig, inputs: Mapping[str, Path], output: Path, *, pro
     return quantize(config, model_dir(inputs["model"]), inputs["data"], output)
 
 
-def main(argv: list[str] | None = None) -> None:
-    stage_main(__doc__, QuantizeConfig, {"--model": PATH, "--data": PATH},
-               lambda cfg, a: quantize(cfg, model_dir(a.model), a.data, a.out), argv)
+main = stage_cli(__name__)  # `python -m tasks.quantize`: the command line its declaration implies (tasks/cli.py)
 
 
 if __name__ == "__main__":

@@ -120,29 +120,41 @@ def signals_recorded() -> Iterator[None]:
 @dataclass(frozen=True)
 class StageContext:
     """What a stage's compute function sees: where to write, its inputs as local folders, and the
-    store and fingerprint (for side state such as resumable training checkpoints)."""
+    store and fingerprint (for side state such as resumable training checkpoints).
+
+    A stage's command line (tasks/cli.py) builds one too, for `--checkpoints DIR [--store URL]`: fingerprint
+    `cli`, no input references (inputs are named by their local paths), checkpoints in DIR, and uploaded to
+    the store only when one is given."""
 
     kind: str
     fingerprint: str
     out_dir: Path
     inputs: dict[str, Path]
     refs: dict[str, ArtifactRef]
-    store: Store
+    store: Store | None
+    local_checkpoints: Path | None = None  # overrides `checkpoint_dir` (the command line's --checkpoints)
 
     @property
     def checkpoint_dir(self) -> Path:
         """Local folder for this stage's resumable training checkpoints (uploaded to the store as they are
         made; removed once the stage commits)."""
+        if self.local_checkpoints is not None:
+            return self.local_checkpoints
         return checkpoint_dir(self.kind, self.fingerprint)
 
     @property
     def checkpoint_url(self) -> str:
         """Where in the store this stage keeps its resumable side state (training checkpoints, trace shards)."""
+        if self.store is None:
+            raise ValueError(f"{self.kind}: resumable side state needs a store (--store URL)")
         return self.store.url(checkpoint_prefix(self.kind, self.fingerprint))
 
     def key_of(self, name: str, sub: str = ".") -> str:
         """Input `name` (or the folder `sub` inside it) by its key in the store: the same bytes wherever the
-        store lives (a bundle's lineage, an adapter's base model name)."""
+        store lives (a bundle's lineage, an adapter's base model name). An input that did not come from the
+        store (the command line's) is named by its absolute local path."""
+        if name not in self.refs or self.store is None:
+            return str((self.inputs[name] / sub).resolve())
         url = self.refs[name].url if sub == "." else storage.join(self.refs[name].url, sub)
         return self.store.key_of(url)
 

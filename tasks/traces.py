@@ -66,7 +66,7 @@ import models
 import storage
 from models.eagle3 import default_aux_layer_ids
 from models.generate import generate
-from tasks.cli import PATH, stage_main
+from tasks.cli import stage_cli
 from tasks.code import code_version
 from tasks.configs import TracesConfig
 from tasks.data.features import hidden_for_rows, topk_for_rows, write_hidden, write_topk
@@ -437,9 +437,7 @@ def run(config: TracesConfig, inputs: Mapping[str, Path], output: Path, *, progr
                   run_key=context.fingerprint)
 
 
-def main(argv: list[str] | None = None) -> None:
-    stage_main(__doc__, TracesConfig, {"--model": PATH, "--data": PATH},
-               lambda cfg, a: traces(cfg, model_dir(a.model), a.data, a.out), argv)
+main = stage_cli(__name__)  # `python -m tasks.traces`: the command line its declaration implies (tasks/cli.py)
 
 
 if __name__ == "__main__":

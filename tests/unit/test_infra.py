@@ -165,6 +165,24 @@ def test_every_stage_has_a_deployment_on_its_default_pool():
         assert dep["work_pool"]["name"] == LOCAL_POOL and dep["parameters"]["overrides"] == ["execution=workers"]
 
 
+def test_the_stage_deployments_are_generated_from_the_stage_declarations(tmp_path):
+    """infra/prefect.yaml's `stage/<kind>` block is exactly what `python -m flows.deploy --write` writes from
+    tasks/configs.py STAGES; `--check` fails on a file where a declared stage lost its deployment."""
+    from flows.deploy import main, with_stage_deployments
+
+    text = (INFRA / "prefect.yaml").read_text()
+    assert with_stage_deployments(text) == text, "stale: run python -m flows.deploy --write"
+    main(["--check"])  # the committed file passes
+    stale = tmp_path / "prefect.yaml"
+    block = text[text.index("  - name: quantize"):text.index("  - name: traces")]
+    stale.write_text(text.replace(block, ""))
+    with pytest.raises(SystemExit) as exit_:
+        main(["--check", "--file", str(stale)])
+    assert exit_.value.code == 1
+    main(["--write", "--file", str(stale)])
+    assert stale.read_text() == text
+
+
 def test_every_deployment_has_the_shape_prefect_deploy_needs():
     spec = _prefect_yaml()
     assert spec["pull"], "pull is the one required section"
