@@ -7,7 +7,9 @@ from __future__ import annotations
 import io
 import math
 import struct
+import subprocess
 import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -95,6 +97,31 @@ def test_writer_rejects_writes_after_close(tmp_path):
     tb.close()
     with pytest.raises(ValueError, match="closed"):
         tb.scalars(0, {"loss": 1.0})
+
+
+def test_flush_puts_what_was_written_on_disk(tmp_path):
+    """The file version is on disk once the writer opens, every event once flush() returns, while the writer
+    stays open: a process killed after a flush has lost nothing written before it."""
+    from tensorboard.backend.event_processing.event_file_loader import LegacyEventFileLoader  # events as written
+
+    with TensorBoardWriter(tmp_path) as tb:
+        assert [e.file_version for e in LegacyEventFileLoader(str(tb.path)).Load()] == ["brain.Event:2"]
+        for s in range(3):
+            tb.scalars(s, {"loss": 0.5 * s, "mfu": 0.25})
+        tb.flush()
+        events = list(LegacyEventFileLoader(str(tb.path)).Load())[1:]
+        assert [(e.step, [(v.tag, v.simple_value) for v in e.summary.value]) for e in events] == [
+            (s, [("loss", 0.5 * s), ("mfu", 0.25)]) for s in range(3)]
+
+
+def test_importing_the_writer_module_leaves_tensorboardx_unloaded():
+    """tensorboardX's package imports torch where it is installed (seconds): only a process that opens a
+    writer loads it, not every flow or stage process that imports the training code."""
+    code = ("import sys; import tasks.training.tensorboard; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('tensorboardX', 'torch')))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2], capture_output=True,
+                         text=True, check=True)
+    assert out.stdout.strip() == "[]"
 
 
 # -- FLOPs per token --------------------------------------------------------------------------------
