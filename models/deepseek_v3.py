@@ -61,7 +61,10 @@ from models.layers import (
 from models.moe import MoE, sigmoid_moe
 
 ARCHITECTURE = "DeepseekV3ForCausalLM"
-MODEL_TYPES = ("deepseek_v3", "kimi_k2")  # kimi_k2: the same graph; transformers only knows deepseek_v3
+# the registry record (models/families.py): HF architecture -> the config.json model_types it ships with
+# (kimi_k2: the same graph; transformers only knows deepseek_v3)
+REGISTRY = {"DeepseekV3ForCausalLM": ("deepseek_v3", "kimi_k2")}
+MODEL_TYPES = REGISTRY[ARCHITECTURE]
 SUPPORTED_ROPE_TYPES = ("default", "linear", "yarn")
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm use the RMSNorm default, not rms_norm_eps
 REQUIRED_ROUTING = {"topk_method": "noaux_tc", "scoring_func": "sigmoid"}  # defaults when absent (transformers 5)
@@ -492,4 +495,4 @@ class DeepseekV3(DecoderLM):
         return rope_cos_sin(positions, inv_freq, self.dtype, attention_scaling)
 
 
-FAMILY = (DeepseekV3Config, DeepseekV3)
+FAMILY = (DeepseekV3Config, DeepseekV3)  # registered by REGISTRY, at the top

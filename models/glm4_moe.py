@@ -317,4 +317,6 @@ class Glm4Moe(DecoderLM):
         return rope_cos_sin(positions, inv_freq, self.dtype, scaling)  # [B, T, d] each
 
 
+# the registry record (models/families.py): HF architecture -> the config.json model_types it ships with
+REGISTRY = {"Glm4MoeForCausalLM": ("glm4_moe",)}
 FAMILY = (Glm4MoeConfig, Glm4Moe)

@@ -280,4 +280,6 @@ class GptOss(DecoderLM):
         return rope_cos_sin(positions, inv_freq, self.dtype, attention_scaling)
 
 
+# the registry record (models/families.py): HF architecture -> the config.json model_types it ships with
+REGISTRY = {"GptOssForCausalLM": ("gpt_oss",)}
 FAMILY = (GptOssConfig, GptOss)

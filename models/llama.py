@@ -217,4 +217,6 @@ class Llama(DecoderLM):
         return rope_cos_sin(positions, inv_freq, self.dtype, scaling)  # [B, T, H] each, shared by all layers
 
 
+# the registry record (models/families.py): HF architecture -> the config.json model_types it ships with
+REGISTRY = {"LlamaForCausalLM": ("llama",)}
 FAMILY = (LlamaConfig, Llama)

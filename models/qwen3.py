@@ -37,4 +37,6 @@ def qwen3_config(preset: str = "tiny", **overrides: Any) -> LlamaConfig:
     return LlamaConfig(**{**kw, **shapes[preset], **overrides})
 
 
+# the registry record (models/families.py): HF architecture -> the config.json model_types it ships with
+REGISTRY = {"Qwen3ForCausalLM": ("qwen3",)}
 FAMILY = (LlamaConfig, Qwen3)

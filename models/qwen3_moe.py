@@ -281,4 +281,6 @@ class Qwen3Moe(DecoderLM):
         return rope_cos_sin(positions, inv_freq, self.dtype, scaling)  # [B, T, H] each, shared by all layers
 
 
+# the registry record (models/families.py): HF architecture -> the config.json model_types it ships with
+REGISTRY = {"Qwen3MoeForCausalLM": ("qwen3_moe",)}
 FAMILY = (Qwen3MoeConfig, Qwen3Moe)
