@@ -17,6 +17,7 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
+from models.draft_format import KINDS, draft_kind
 from models.lora_targets import ALL_LINEAR
 from models.objectives import check_objective
 from models.quant.schemes import parse_scheme
@@ -340,9 +341,6 @@ class QuantizeConfig(BaseModel):
         return v
 
 
-DRAFT_KINDS = ("eagle3", "peagle", "dflash", "mtp")
-
-
 class DraftCandidate(BaseModel):
     """One draft the `draft` stage trains; `evaluate` measures every candidate and the release ships the
     fastest that passes the draft gates (docs/speculative-decoding.md, which drafter is which)."""
@@ -350,7 +348,7 @@ class DraftCandidate(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     # mtp: fine-tune the target's own MTP layers (DeepSeek-V3 / GLM-4.5 targets only), FastMTP-style
-    kind: Literal["eagle3", "peagle", "dflash", "mtp"] = "eagle3"
+    kind: Literal[KINDS] = "eagle3"  # models/draft_format.py: the kinds, listed once
     name: str | None = None  # its folder and report name; None: the kind, plus "-<loss>" for a non-default loss
     # per-position objective (models/draft_losses.py): kl_div, rkl, jsd, ce, tv, nla, lk_hybrid, or {name: weight}
     loss: str | dict[str, float] = "kl_div"
@@ -410,11 +408,10 @@ class DraftConfig(BaseModel):
         labels = [c.label for c in self.candidates]
         if len(set(labels)) != len(labels):
             raise ValueError(f"candidates: names must be unique, got {labels} (set `name` to tell them apart)")
-        for c in self.candidates:
-            if c.kind == "peagle" and (c.num_depths or self.k) < self.k:
-                raise ValueError(f"candidates[{c.label}]: num_depths {c.num_depths} < k {self.k}")
-            if c.kind == "dflash" and (c.block_size or self.k + 1) < self.k + 1:
-                raise ValueError(f"candidates[{c.label}]: block_size {c.block_size} < k + 1 = {self.k + 1}")
+        for c in self.candidates:  # each kind's own rule (P-EAGLE: num_depths >= k; DFlash: block_size >= k + 1)
+            problem = draft_kind(c.kind).check(c, self.k)
+            if problem is not None:
+                raise ValueError(f"candidates[{c.label}]: {problem}")
         return self
 
     def train_for(self, cand: DraftCandidate) -> TrainConfig:

@@ -51,6 +51,7 @@ import safetensors.numpy
 from flax import nnx
 
 import models
+from models.draft_format import draft_kind
 from models.drafts import kind_of, load_draft, save_draft, target_head
 from models.eagle3 import Eagle3Config, Eagle3Draft, build_draft_vocab, ttt_loss
 from models.eagle3.loss import ttt_unroll
@@ -235,7 +236,7 @@ def build_draft(cand: DraftCandidate, cfg: DraftConfig, target: nnx.Module, aux_
     draft.load_embedding(embed)
     d2t, t2d, coverage = vocab
     draft.set_vocab(d2t, t2d)
-    if cand.kind == "dflash":  # DFlash predicts through the target's own head rows (frozen, as speculators does)
+    if draft_kind(cand.kind).uses_target_head:  # DFlash: the target's own head rows (frozen, as speculators does)
         draft.load_lm_head(target_head(target))
     return draft, {"warm_start": False, "draft_vocab_coverage": round(float(coverage), 5)}
 
@@ -300,7 +301,7 @@ def train_candidate(cand: DraftCandidate, cfg: DraftConfig, target: nnx.Module, 
     temperature = float(meta.get("temperature", 0.0)) if cand.temperature is None else cand.temperature
     objective = cand.loss if isinstance(cand.loss, str) else tuple(sorted(cand.loss.items()))
     steps = {"eagle3": cfg.ttt_steps, "peagle": getattr(draft, "max_block", cfg.k)}.get(kind, cfg.k)
-    decay = 1.0 if kind == "peagle" else cfg.ttt_decay  # speculators weighs P-EAGLE's depths equally
+    decay = 1.0 if draft_kind(kind).equal_step_weights else cfg.ttt_decay
     trainee = DraftTrainee(draft, target, online=online, steps=steps, decay=decay, objective=objective,
                            temperature=temperature, num_anchors=cand.num_anchors, gamma=cand.gamma, seed=cfg.seed)
     trainer = Trainer(trainee, cfg.train_for(cand), trainable=TRAINABLE, loss_fn=_loss_fn, eval_fn=_eval_fn)
@@ -440,7 +441,7 @@ def train_draft(cfg: DraftConfig, target_dir: Path, traces_dir: Path, out_dir: P
                 if context is not None else None)
         try:
             dest = out_dir / "draft" / cand.label
-            if cand.kind == "mtp":
+            if draft_kind(cand.kind).trains_target:  # MTP: the target's own layers
                 results[cand.label] = train_mtp(cand, cfg, target_dir, traces_dir, meta, dest, progress=progress,
                                                 init=inits.get("mtp"), checkpoints=ckpt)
             else:

@@ -27,9 +27,8 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import flax.core
-
-from models.eagle3.config import SPECULATORS_VERSION, default_aux_layer_ids, draft_geometry
+from models.draft_base import speculators_envelope, speculators_layer_ids, validate_geometry
+from models.eagle3.config import default_aux_layer_ids, draft_geometry
 from models.layers import INIT_STD, rope_config_from_hf
 
 SPECULATORS_ARCHITECTURE = "DFlashSpeculator"
@@ -65,27 +64,10 @@ class DFlashConfig:
     train_lm_head: bool = False  # ours: speculators / DFlash keep lm_head frozen (the target's rows)
 
     def __post_init__(self):
-        set_ = lambda k, v: object.__setattr__(self, k, v)
-        if self.num_key_value_heads is None:
-            set_("num_key_value_heads", self.num_attention_heads)
-        if self.head_dim is None:
-            set_("head_dim", self.hidden_size // self.num_attention_heads)
-        if self.target_hidden_size is None:
-            set_("target_hidden_size", self.hidden_size)
-        set_("aux_layer_ids", tuple(int(i) for i in self.aux_layer_ids))
-        if self.rope_scaling is not None:  # hashable, so that the config can live in a graphdef
-            set_("rope_scaling", flax.core.FrozenDict(self.rope_scaling))
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
-        if self.head_dim % 2:
-            raise ValueError("head_dim must be even for rotary embeddings")
+        validate_geometry(self)
         if self.target_hidden_size != self.hidden_size:
             raise ValueError(f"target_hidden_size {self.target_hidden_size} != hidden_size {self.hidden_size}: "
                              "a DFlash draft embeds its block with the target's embedding table")
-        if not 1 <= self.draft_vocab_size <= self.vocab_size:
-            raise ValueError(f"draft_vocab_size {self.draft_vocab_size} must be in [1, vocab_size={self.vocab_size}]")
-        if not self.aux_layer_ids:
-            raise ValueError("aux_layer_ids must name at least one target layer")
         if self.num_hidden_layers < 1:
             raise ValueError("num_hidden_layers must be >= 1")
         if self.block_size < 2:
@@ -217,21 +199,15 @@ class DFlashConfig:
         )
 
 
-def speculators_layer_ids(aux_layer_ids: Sequence[int]) -> list[int]:
-    """Our output-of-layer ids -> speculators' hidden-state boundary ids (+1)."""
-    return [int(i) + 1 for i in aux_layer_ids]
-
-
 def speculators_config(config: DFlashConfig, *, target_config: Mapping[str, Any], verifier_name_or_path: str,
                        dtype: str = "bfloat16") -> dict[str, Any]:
     """The speculators `DFlashSpeculatorConfig` config.json (docs/formats/dflash.md): the greedy
     proposal proposes block_size - 1 tokens (`sample_from_anchor` false: slot 0 is the anchor)."""
     return {
-        "architectures": [SPECULATORS_ARCHITECTURE],
-        "speculators_model_type": SPECULATORS_MODEL_TYPE,
-        "speculators_version": SPECULATORS_VERSION,
-        "transformer_layer_config": config.transformer_layer_config(dtype, target_config),
-        "draft_vocab_size": config.draft_vocab_size,
+        **speculators_envelope(architecture=SPECULATORS_ARCHITECTURE, model_type=SPECULATORS_MODEL_TYPE,
+                               layer_config=config.transformer_layer_config(dtype, target_config),
+                               draft_vocab_size=config.draft_vocab_size, speculative_tokens=config.block_size - 1,
+                               target_config=target_config, verifier_name_or_path=verifier_name_or_path, dtype=dtype),
         "block_size": config.block_size,
         "target_hidden_size": None,  # = hidden_size (speculators' fc reads num_aux · hidden_size)
         "aux_hidden_state_layer_ids": speculators_layer_ids(config.aux_layer_ids),
@@ -239,14 +215,4 @@ def speculators_config(config: DFlashConfig, *, target_config: Mapping[str, Any]
         "sliding_window_non_causal": False,
         "sample_from_anchor": False,
         "tie_word_embeddings": False,
-        "speculators_config": {
-            "algorithm": SPECULATORS_MODEL_TYPE,
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": config.block_size - 1,
-                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
-            "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": verifier_name_or_path,
-                         "architectures": list(target_config.get("architectures") or [])},
-        },
-        "torch_dtype": dtype,
-        "dtype": dtype,
     }

@@ -26,14 +26,13 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import flax.core
 import numpy as np
 
+from models.draft_base import speculators_envelope, speculators_layer_ids, validate_geometry
 from models.layers import INIT_STD, rope_config_from_hf
 
 SGLANG_ARCHITECTURE = "LlamaForCausalLMEagle3"
 SPECULATORS_ARCHITECTURE = "Eagle3Speculator"
-SPECULATORS_VERSION = "0.9.0"  # the vllm-project/speculators release whose config schema this writes
 DRAFT_ROPE_TYPES = ("default", "llama3")  # target RoPE the draft copies; anything else -> plain theta 10000
 DEFAULT_DRAFT_THETA = 10000.0
 
@@ -75,24 +74,7 @@ class Eagle3Config:
     aux_layer_ids: tuple[int, ...] = (1, 15, 28)  # target `return_hidden` indices, low -> high
 
     def __post_init__(self):
-        set_ = lambda k, v: object.__setattr__(self, k, v)
-        if self.num_key_value_heads is None:
-            set_("num_key_value_heads", self.num_attention_heads)
-        if self.head_dim is None:
-            set_("head_dim", self.hidden_size // self.num_attention_heads)
-        if self.target_hidden_size is None:
-            set_("target_hidden_size", self.hidden_size)
-        set_("aux_layer_ids", tuple(int(i) for i in self.aux_layer_ids))
-        if self.rope_scaling is not None:  # hashable, so that the config can live in a graphdef
-            set_("rope_scaling", flax.core.FrozenDict(self.rope_scaling))
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
-        if self.head_dim % 2:
-            raise ValueError("head_dim must be even for rotary embeddings")
-        if not 1 <= self.draft_vocab_size <= self.vocab_size:
-            raise ValueError(f"draft_vocab_size {self.draft_vocab_size} must be in [1, vocab_size={self.vocab_size}]")
-        if not self.aux_layer_ids:
-            raise ValueError("aux_layer_ids must name at least one target layer")
+        validate_geometry(self)
 
     @property
     def num_hidden_layers(self) -> int:
@@ -289,13 +271,6 @@ def _draft_ffn_width(t: Any) -> int:
 # ------------------------------------------------------------------------------------------------
 
 
-def speculators_layer_ids(aux_layer_ids: Sequence[int]) -> list[int]:
-    """Our output-of-layer ids -> the hidden-state boundary ids that speculators and vLLM use for
-    `eagle_aux_hidden_state_layer_ids` (id i = the residual stream entering layer i, 0 = embedding
-    output; their default [2, N//2, N-3] is our default_aux_layer_ids + 1)."""
-    return [int(i) + 1 for i in aux_layer_ids]
-
-
 def speculators_config(config: Eagle3Config, *, target_config: Mapping[str, Any], verifier_name_or_path: str,
                        num_speculative_tokens: int, dtype: str = "bfloat16") -> dict[str, Any]:
     """The speculators `Eagle3SpeculatorConfig` config.json (docs/formats/eagle3.md; field names from speculators 0.9.0
@@ -303,11 +278,10 @@ def speculators_config(config: Eagle3Config, *, target_config: Mapping[str, Any]
     if num_speculative_tokens < 1:
         raise ValueError("num_speculative_tokens must be >= 1")
     return {
-        "architectures": [SPECULATORS_ARCHITECTURE],
-        "speculators_model_type": "eagle3",
-        "speculators_version": SPECULATORS_VERSION,
-        "transformer_layer_config": config.transformer_layer_config(dtype, target_config),
-        "draft_vocab_size": config.draft_vocab_size,
+        **speculators_envelope(architecture=SPECULATORS_ARCHITECTURE, model_type="eagle3",
+                               layer_config=config.transformer_layer_config(dtype, target_config),
+                               draft_vocab_size=config.draft_vocab_size, speculative_tokens=num_speculative_tokens,
+                               target_config=target_config, verifier_name_or_path=verifier_name_or_path, dtype=dtype),
         "eagle_aux_hidden_state_layer_ids": speculators_layer_ids(config.aux_layer_ids),
         "norm_before_residual": False,
         "norm_before_fc": False,
@@ -315,14 +289,4 @@ def speculators_config(config: Eagle3Config, *, target_config: Mapping[str, Any]
         "norm_output": False,
         "embed_requires_grad": False,
         "target_hidden_size": None if config.target_hidden_size == config.hidden_size else config.target_hidden_size,
-        "speculators_config": {
-            "algorithm": "eagle3",
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(num_speculative_tokens),
-                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
-            "default_proposal_method": "greedy",
-            "verifier": {"name_or_path": verifier_name_or_path,
-                         "architectures": list(target_config.get("architectures") or [])},
-        },
-        "torch_dtype": dtype,
-        "dtype": dtype,
     }

@@ -23,8 +23,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from models.draft_base import DTYPES, check_target, write_folder
 from models.eagle3.config import Eagle3Config, speculators_config
-from models.eagle3.export import DTYPES, _check_target, _write, draft_tensors, read_tensors
+from models.eagle3.export import draft_tensors, read_tensors
 from models.hf import load_config, readable_dir, writable_dir
 from models.peagle.model import PEagleConfig, PEagleDraft
 
@@ -48,14 +49,14 @@ def peagle_config(config: PEagleConfig, *, target_config: Mapping[str, Any], ver
 def save_peagle(draft: PEagleDraft, path_or_url: str, *, target_config: Mapping[str, Any],
                 verifier_name_or_path: str, dtype: str = "bfloat16") -> None:
     """Write the speculators P-EAGLE layout (config.json + model.safetensors) to a folder or URL."""
-    _check_target(draft, target_config)
+    check_target(draft, target_config)
     tensors = draft_tensors(draft, dtype, prefix="layers.0.")
     mask = np.asarray(jnp.asarray(draft.mask_hidden[...], jnp.float32)).astype(DTYPES[dtype])
     tensors["mask_hidden"] = np.ascontiguousarray(mask.reshape(1, 1, -1))
     config = peagle_config(draft.config, target_config=target_config, verifier_name_or_path=verifier_name_or_path,
                            dtype=dtype)
     with writable_dir(path_or_url) as folder:
-        _write(folder, config, tensors)
+        write_folder(folder, config, tensors)
 
 
 def load_peagle(path_or_url: str, embed_tokens: jax.Array | np.ndarray, *, dtype: Any = jnp.float32,
