@@ -35,11 +35,12 @@ layout, every kind), `sglang/` (EAGLE-3 only) and `draft_config.json`; training 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -53,8 +54,7 @@ from flax import nnx
 import models
 from models.draft_format import draft_kind
 from models.drafts import kind_of, load_draft, save_draft, target_head
-from models.eagle3 import Eagle3Config, Eagle3Draft, build_draft_vocab, ttt_loss
-from models.eagle3.loss import ttt_unroll
+from models.eagle3 import build_draft_vocab
 from models.layers import Buffer, param
 from models.speculative import speculative_generate
 from tasks.cli import stage_cli
@@ -118,6 +118,98 @@ def selection_prompts(traces_dir: Path, n: int, length: int) -> np.ndarray:
     return np.stack(out).astype(np.int32)
 
 
+# -- how each kind trains: one entry per kind with a draft module (its files: models/drafts.py) -----
+
+
+@dataclasses.dataclass(frozen=True)
+class Fresh:
+    """What building a fresh draft of a candidate needs: the target's config, the draft vocabulary size, the
+    target layers the draft reads, the token that fills masked slots, the candidate and the stage config
+    (`k`, size overrides), and the initialisation seed."""
+
+    target_config: Any
+    draft_vocab_size: int
+    aux_layer_ids: list[int]
+    mask_token_id: int
+    candidate: Any  # tasks.configs.DraftCandidate
+    stage: Any  # tasks.configs.DraftConfig
+    overrides: dict[str, int]  # intermediate_size / num_attention_heads / num_key_value_heads, where set
+    rngs: nnx.Rngs
+
+
+def _eagle3_config(f: Fresh) -> Any:
+    from models.eagle3 import Eagle3Config
+
+    return Eagle3Config.for_target(f.target_config, draft_vocab_size=f.draft_vocab_size,
+                                   aux_layer_ids=f.aux_layer_ids, **f.overrides)
+
+
+def _eagle3_build(f: Fresh) -> nnx.Module:
+    from models.eagle3 import Eagle3Draft
+
+    return Eagle3Draft(_eagle3_config(f), rngs=f.rngs)
+
+
+def _ttt_loss(trainee: Any, batch: dict[str, jax.Array], features: jax.Array, logits: jax.Array, *, steps: int,
+              decay: float, unroll: Callable | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
+    from models.eagle3 import ttt_loss
+    from models.eagle3.loss import ttt_unroll
+
+    return ttt_loss(trainee.draft, batch, features, logits, steps=steps, decay=decay, objective=trainee.objective,
+                    temperature=trainee.temperature, unroll=unroll or ttt_unroll)
+
+
+def _peagle_build(f: Fresh) -> nnx.Module:
+    from models.peagle import PEagleConfig, PEagleDraft
+
+    return PEagleDraft(PEagleConfig.from_eagle3(_eagle3_config(f), mask_token_id=f.mask_token_id,
+                                                num_depths=f.candidate.num_depths or f.stage.k), rngs=f.rngs)
+
+
+def _peagle_loss(trainee: Any, batch: dict[str, jax.Array], features: jax.Array, logits: jax.Array, *, steps: int,
+                 decay: float) -> tuple[jax.Array, dict[str, jax.Array]]:
+    from models.peagle import parallel_unroll
+
+    return _ttt_loss(trainee, batch, features, logits, steps=steps, decay=decay, unroll=parallel_unroll)
+
+
+def _dflash_build(f: Fresh) -> nnx.Module:
+    from models.dflash import DFlashConfig, DFlashDraft
+
+    config = DFlashConfig.for_target(f.target_config, draft_vocab_size=f.draft_vocab_size,
+                                     aux_layer_ids=f.aux_layer_ids, num_layers=f.candidate.num_layers,
+                                     block_size=f.candidate.block_size or f.stage.k + 1,
+                                     mask_token_id=f.mask_token_id, **f.overrides)
+    return DFlashDraft(config, rngs=f.rngs)
+
+
+def _dflash_loss(trainee: Any, batch: dict[str, jax.Array], features: jax.Array, logits: jax.Array, *, steps: int,
+                 decay: float) -> tuple[jax.Array, dict[str, jax.Array]]:
+    from models.dflash import block_loss
+
+    return block_loss(trainee.draft, batch, features, logits, num_anchors=trainee.num_anchors,
+                      objective=trainee.objective, temperature=trainee.temperature, gamma=trainee.gamma,
+                      rng=trainee.rngs.anchors())
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftTraining:
+    """How the draft stage trains a kind: `build(fresh)` a fresh draft module, `steps(draft, cfg)` the draft
+    positions a training row unrolls, `loss(trainee, batch, features, logits, steps=, decay=)` one batch's
+    (loss, stats)."""
+
+    build: Callable[[Fresh], nnx.Module]
+    steps: Callable[[nnx.Module, DraftConfig], int]
+    loss: Callable[..., tuple[jax.Array, dict[str, jax.Array]]]
+
+
+TRAINING: dict[str, DraftTraining] = {
+    "eagle3": DraftTraining(_eagle3_build, lambda draft, cfg: cfg.ttt_steps, _ttt_loss),
+    "peagle": DraftTraining(_peagle_build, lambda draft, cfg: draft.max_block, _peagle_loss),
+    "dflash": DraftTraining(_dflash_build, lambda draft, cfg: cfg.k, _dflash_loss),
+}
+
+
 # -- the trainee: draft + what it needs of the target ---------------------------------------------
 
 
@@ -155,18 +247,7 @@ class DraftTrainee(nnx.Module):
 
     def loss(self, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
         features, logits = self.target_outputs(batch)
-        if self.kind == "dflash":
-            from models.dflash import block_loss
-            return block_loss(self.draft, batch, features, logits, num_anchors=self.num_anchors,
-                              objective=self.objective, temperature=self.temperature, gamma=self.gamma,
-                              rng=self.rngs.anchors())
-        if self.kind == "peagle":
-            from models.peagle import parallel_unroll
-            unroll = parallel_unroll
-        else:
-            unroll = ttt_unroll
-        return ttt_loss(self.draft, batch, features, logits, steps=self.steps, decay=self.decay,
-                        objective=self.objective, temperature=self.temperature, unroll=unroll)
+        return TRAINING[self.kind].loss(self, batch, features, logits, steps=self.steps, decay=self.decay)
 
 
 TRAINABLE = nnx.All(nnx.Param, nnx.PathContains("draft"))
@@ -219,20 +300,8 @@ def build_draft(cand: DraftCandidate, cfg: DraftConfig, target: nnx.Module, aux_
     rngs = nnx.Rngs(cfg.seed)
     mask_token = getattr(target.config, "pad_token_id", None)
     mask_token = V - 1 if mask_token is None else int(mask_token)
-    if cand.kind == "dflash":
-        from models.dflash import DFlashConfig, DFlashDraft
-        config = DFlashConfig.for_target(target.config, draft_vocab_size=Vd, aux_layer_ids=aux_layer_ids,
-                                         num_layers=cand.num_layers, block_size=cand.block_size or cfg.k + 1,
-                                         mask_token_id=mask_token, **overrides)
-        draft = DFlashDraft(config, rngs=rngs)
-    else:
-        config = Eagle3Config.for_target(target.config, draft_vocab_size=Vd, aux_layer_ids=aux_layer_ids, **overrides)
-        if cand.kind == "peagle":
-            from models.peagle import PEagleConfig, PEagleDraft
-            draft = PEagleDraft(PEagleConfig.from_eagle3(config, mask_token_id=mask_token,
-                                                         num_depths=cand.num_depths or cfg.k), rngs=rngs)
-        else:
-            draft = Eagle3Draft(config, rngs=rngs)
+    draft = TRAINING[cand.kind].build(Fresh(target.config, Vd, aux_layer_ids, mask_token, cand, cfg, overrides,
+                                               rngs))
     draft.load_embedding(embed)
     d2t, t2d, coverage = vocab
     draft.set_vocab(d2t, t2d)
@@ -300,7 +369,7 @@ def train_candidate(cand: DraftCandidate, cfg: DraftConfig, target: nnx.Module, 
     kind = kind_of(draft)
     temperature = float(meta.get("temperature", 0.0)) if cand.temperature is None else cand.temperature
     objective = cand.loss if isinstance(cand.loss, str) else tuple(sorted(cand.loss.items()))
-    steps = {"eagle3": cfg.ttt_steps, "peagle": getattr(draft, "max_block", cfg.k)}.get(kind, cfg.k)
+    steps = TRAINING[kind].steps(draft, cfg)
     decay = 1.0 if draft_kind(kind).equal_step_weights else cfg.ttt_decay
     trainee = DraftTrainee(draft, target, online=online, steps=steps, decay=decay, objective=objective,
                            temperature=temperature, num_anchors=cand.num_anchors, gamma=cand.gamma, seed=cfg.seed)
