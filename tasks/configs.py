@@ -232,7 +232,7 @@ class FinetuneConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    method: Literal["sft", "dpo", "grpo", "distill"] = "sft"
+    method: str = "sft"  # a registered fine-tune method (tasks/training/methods.py): sft, dpo, grpo, distill
     # dpo / grpo: first this many SFT steps on the data's packed rows (the `train` settings, its steps replaced),
     # the usual SFT -> preference / RL chain; the reference (DPO's stored log-probabilities, GRPO's KL) is then
     # the SFT model
@@ -257,13 +257,22 @@ class FinetuneConfig(BaseModel):
         return TrainConfig.model_validate({**self.train.model_dump(), **(self.sft_train or {}),
                                            "steps": self.sft_steps or self.train.steps})
 
+    @field_validator("method")
+    @classmethod
+    def _registered(cls, v: str) -> str:
+        from tasks.training.methods import get
+
+        get(v)  # an unknown method: ValueError listing the known ones
+        return v
+
     @model_validator(mode="after")
-    def _groups_fill_the_batch(self) -> FinetuneConfig:
-        if self.method in ("sft", "distill") and self.sft_steps:
-            raise ValueError(f"sft_steps precedes method dpo or grpo; for method {self.method} set train.steps")
-        if self.method == "distill" and self.mode == "lora":
-            raise ValueError("method distill trains a depth-pruned student whole: mode full (LoRA adapters would "
-                             "have no published base to load onto)")
+    def _method_rules(self) -> FinetuneConfig:
+        from tasks.training.methods import get, sft_first
+
+        method = get(self.method)
+        if self.sft_steps and not method.sft_first:
+            raise ValueError(f"sft_steps precedes method {' or '.join(sft_first())}; for method {self.method} set "
+                             "train.steps")
         if self.sft_train is not None:
             if not self.sft_steps:
                 raise ValueError("sft_train sets the SFT phase, which runs only with sft_steps > 0")
@@ -276,15 +285,7 @@ class FinetuneConfig(BaseModel):
             except ValidationError as e:
                 err = e.errors()[0]
                 raise ValueError(f"sft_train.{'.'.join(map(str, err['loc']))}: {err['msg']}") from None
-        if self.method == "grpo" and self.train.batch_size % self.grpo.group_size:
-            raise ValueError(f"train.batch_size {self.train.batch_size} (completions per step) is not a multiple of "
-                             f"grpo.group_size {self.grpo.group_size}")
-        mu = self.grpo.num_iterations
-        if self.method == "grpo" and mu > 1:
-            for key in ("steps", "checkpoint_every"):
-                if getattr(self.train, key) % mu:
-                    raise ValueError(f"train.{key} {getattr(self.train, key)} is not a multiple of "
-                                     f"grpo.num_iterations {mu} (updates per rollout)")
+        method.check(self)  # the method's own rules (GRPO's groups fill the batch, distill trains in full, ...)
         return self
 
 

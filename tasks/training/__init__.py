@@ -30,6 +30,7 @@ Modules, in the order a step meets them:
     trainer.py       Trainer: the mesh, the compiled train/eval steps, the split model state
     checkpoints.py   Checkpoints: orbax locally, uploaded to the store, committed by one pointer
     loop.py          fit(): the loop (resume, log, checkpoint, NaN checks) and its metrics
+    methods.py       the fine-tune method registry (`finetune.method`; the methods: tasks/methods/)
     flops.py         model FLOPs per token (PaLM appendix B) and the measured matmul peak, for MFU
     tensorboard.py   TensorBoard event files written without TensorFlow
     progress.py      the terminal progress bar and per-step metrics
