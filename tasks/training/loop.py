@@ -120,7 +120,8 @@ def fit(
                     row["mfu"] = last_mfu = rate * flops_per_token / (peak * n_dev)
                 if trainer.moe:
                     row["aux_loss"] = m["aux_loss"]
-                for k in m.keys() - _STEP_STATS:  # the objective's own metrics (preference rewards, ...)
+                for k in sorted(m.keys() - _STEP_STATS):  # the objective's own metrics (preference rewards, ...),
+                    # in a fixed order: a set's follows the hash seed, and training.json would differ run to run
                     row[k] = m[k]
                     curves.setdefault(k, []).append([step + 1, m[k]])
                 log.info("%s step %d/%d %s", label, step + 1, cfg.steps,
