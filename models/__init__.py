@@ -1,12 +1,12 @@
 """forgeline models: JAX/Flax NNX decoders, HF safetensors I/O, generation, LoRA, quantization.
 
-Families (one file each, registered by HF `architectures` in registry.py): llama.py (Llama), qwen3.py
+Families (one file each, registered by HF `architectures` in families.py): llama.py (Llama), qwen3.py
 (Qwen3 dense), qwen3_moe.py, deepseek_v3.py (DeepSeek-V3/R1, Kimi K2), gpt_oss.py, glm4_moe.py
 (GLM-4.5 / Air); shared pieces in layers.py, decoder.py (masks, GQA, MTP, the causal-LM forward)
 and moe.py (routers, grouped expert dispatch).
 
     from models import from_pretrained, save_pretrained, generate
-    model = from_pretrained("ckpt/")             # architecture chosen by config.json (registry.py)
+    model = from_pretrained("ckpt/")             # architecture chosen by config.json (families.py)
     logits = model(input_ids)                    # [B, T, V]; jit it with jit_forward(model) or nnx.split
 
 Tests: `pytest tests/unit/test_models*.py tests/parity` (parity needs transformers, peft, compressed-tensors).
