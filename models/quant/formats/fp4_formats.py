@@ -9,7 +9,7 @@ the even element in the low nibble, code = sign bit 8 | magnitude index 0..7), a
 
 In memory the codes are E2M1 values held as float8_e4m3fn (exact, sign of zero included), scales float32.
 The rounding is models/quant/quantizers.py `nvfp4` / `mxfp4` (RTN) and `gptq_fp4`.
-https://github.com/neuralmagic/compressed-tensors; docs/formats/compressed-tensors.md.
+https://github.com/vllm-project/compressed-tensors; docs/formats/compressed-tensors.md.
 """
 
 from __future__ import annotations

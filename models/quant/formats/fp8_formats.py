@@ -7,7 +7,7 @@ float8_e4m3fn [out, in] and `weight_scale` float32:
 * `fp8-channel` — one scale per output channel, [out, 1] (the FP8_DYNAMIC preset's weights).
 
 The rounding is models/quant/quantizers.py `fp8_block` (a per-channel scale is a [1, in] tile); no
-calibration. https://github.com/neuralmagic/compressed-tensors; docs/formats/compressed-tensors.md.
+calibration. https://github.com/vllm-project/compressed-tensors; docs/formats/compressed-tensors.md.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@
   kernels load.
 
 Both round with models/quant/quantizers.py (RTN, GPTQ; AWQ's scaled weights by RTN) on the scheme's
-`IntArgs`. https://github.com/neuralmagic/compressed-tensors; docs/formats/compressed-tensors.md.
+`IntArgs`. https://github.com/vllm-project/compressed-tensors; docs/formats/compressed-tensors.md.
 """
 
 from __future__ import annotations

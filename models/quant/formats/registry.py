@@ -18,7 +18,7 @@ schemes.py, and a registered format may add scheme names of its own (`parse`). T
 models/quant/formats/int_formats.py (packed int, int8 per channel), fp8_formats.py (FP8 blocks, FP8 per
 channel), fp4_formats.py (NVFP4, MXFP4); they are imported on the first lookup, so that parsing a scheme
 name does not import JAX. The layouts mirror compressed-tensors (`quantization/quant_args.py`,
-`compressors/`; https://github.com/neuralmagic/compressed-tensors). See docs/adding-a-quantization-format.md.
+`compressors/`; https://github.com/vllm-project/compressed-tensors). See docs/adding-a-quantization-format.md.
 """
 
 from __future__ import annotations
