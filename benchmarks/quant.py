@@ -146,10 +146,10 @@ def rtn_peer(name: str) -> str | None:
     scheme; None otherwise."""
     base, rot = split_rot(name)
     s = quant.parse_scheme(base)
-    if s.method == "rtn" or s.kind not in ("int", "fp4"):
+    if s.method == "rtn":  # FP8 formats have no other method
         return None
     suffix = rot_suffix(rot)
-    if s.kind == "fp4" or s.act is not None:  # nvfp4a16-gptq -> nvfp4a16, int8-w8a8-gptq -> int8-w8a8
+    if s.format.fixed_group or s.act is not None:  # nvfp4a16-gptq -> nvfp4a16, int8-w8a8-gptq -> int8-w8a8
         return base.replace("-gptq", "") + suffix
     g = f"-g{s.group_size}" if s.group_size else ""
     return f"w{s.bits}a16{'' if s.symmetric else '-asym'}-rtn{g}{suffix}"

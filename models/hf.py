@@ -458,6 +458,17 @@ def _abstract_model(read: tuple[str, dict[str, Any], Any, type], checkpoint: Saf
     return model, tensors
 
 
+# The quantized layouts written whole (gpt-oss-mxfp4 streams its tensors: save_pretrained handles it), each
+# model -> (quantization_config, tensors); each dispatches per weight to its registered format
+# (models/quant/formats/registry.py). compressed-tensors scales stay fp32 whatever the save dtype is:
+# transformers multiplies in the scale's dtype when it dequantizes, and bf16 scales would move the logits away.
+QUANT_LAYOUTS: dict[str, Any] = {
+    "compressed-tensors": lambda model: quant.to_compressed_tensors(model, quant.scheme_of(model),
+                                                                    getattr(model, "quant_ignore", ())),
+    "deepseek-fp8": lambda model: quant.to_deepseek_fp8(model),
+}
+
+
 def save_pretrained(
     model: nnx.Module, path_or_url: str, *, max_shard_bytes: int = 2**30, dtype: Any = None,
     layout: str | None = None,
@@ -508,16 +519,10 @@ def save_pretrained(
             qconfig, specs = quant.to_gpt_oss_mxfp4(model, dtype)
             entries += [(name, _module_tensor(fn, mod, abstract)) for name, mod, fn, abstract in specs]
         else:
-            if layout == "deepseek-fp8":
-                qconfig, qtensors = quant.to_deepseek_fp8(model)
-            elif layout == "compressed-tensors":
-                # scales stay fp32 whatever `dtype` is: transformers multiplies in the scale's dtype when it
-                # dequantizes, and bf16 scales would move the logits away from ours
-                qconfig, qtensors = quant.to_compressed_tensors(model, quant.scheme_of(model),
-                                                                getattr(model, "quant_ignore", ()))
-            else:
+            if layout not in QUANT_LAYOUTS:
                 raise ValueError(f"unknown quantized layout {layout!r} (compressed-tensors, deepseek-fp8, "
                                  "gpt-oss-mxfp4)")
+            qconfig, qtensors = QUANT_LAYOUTS[layout](model)
             entries += [(name, lambda _a=array: _a) for name, array in qtensors.items()]
         config["quantization_config"] = qconfig
     entries.sort(key=lambda e: _natural_key(e[0]))

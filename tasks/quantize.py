@@ -132,14 +132,15 @@ def quantize(cfg: QuantizeConfig, model_path: Path, data_dir: Path, out_dir: Pat
             report["seconds"] += kv["seconds"]
         dest = out_dir / name
         models.save_pretrained(model, str(dest))
-        if scheme.kind == "fp8-block":  # DeepSeek's layout has no kv_cache_scheme: its copy keeps the serving dtype
+        copies = scheme.format.layouts  # the format's other layouts (fp8-block: DeepSeek's, under deepseek/)
+        for sub, layout in copies.items():  # those layouts have no kv_cache_scheme: copies keep the serving dtype
             with quant.without_kv_scales(model):
-                models.save_pretrained(model, str(dest / "deepseek"), layout="deepseek-fp8")
+                models.save_pretrained(model, str(dest / sub), layout=layout)
         for fn in ("tokenizer.json", "special_tokens.json", "tokenizer_config.json"):
             if (model_path / fn).exists():
                 shutil.copyfile(model_path / fn, dest / fn)
-                if scheme.kind == "fp8-block":
-                    shutil.copyfile(model_path / fn, dest / "deepseek" / fn)
+                for sub in copies:
+                    shutil.copyfile(model_path / fn, dest / sub / fn)
         sizes = disk_bytes(model, scheme)
         errors = [r.get("output_error", r["weight_error"]) for r in report["modules"]]
         summary = {

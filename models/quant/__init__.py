@@ -2,7 +2,7 @@
 layouts serving engines load. Algorithms and on-disk formats live apart, as llm-compressor's modifiers
 do from compressed-tensors' formats:
 
-    schemes.py       scheme names -> Scheme (bits, group, symmetry, method), Options
+    schemes.py       scheme names -> Scheme (its weight and activation formats, bits, group, method), Options
     targets.py       which modules get quantized (Linears, expert stacks; `ignore`)
     quantizers.py    the math on one matrix: min-max parameters, RTN, GPTQ, AWQ scale search, FP8 tiles
     calibration.py   per-layer activation statistics (Hessians H = Σ x xᵀ, |x| means)
@@ -10,8 +10,9 @@ do from compressed-tensors' formats:
     kv_cache.py      FP8 KV cache: static k/v scales calibrated on the quantized model, any weight scheme
     driver.py        quantize_model: layer by layer, calibrate -> (AWQ) -> quantize -> next layer
     state.py         the quantized state in memory (codes, scales, zero points on Linear / Experts)
-    formats/         on-disk layouts only: compressed-tensors (written and read), DeepSeek FP8 (written
-                     and read), GPT-OSS MXFP4 experts (written and read)
+    formats/         the weight formats, registered (registry.py: rounding, QuantizationArgs, tensors,
+                     pack / unpack), and the on-disk layouts dispatching to them: compressed-tensors
+                     (written and read), DeepSeek FP8 (written and read), GPT-OSS MXFP4 experts
 
     scheme = parse_scheme("w4a16-gptq")                       # int4, group 128, symmetric, GPTQ
     report = quantize_model(model, scheme, calibration)       # in place; calibration: [(ids, segment_ids)]
@@ -47,11 +48,15 @@ _LAZY = {
     "to_gpt_oss_mxfp4": "models.quant.formats.mxfp4",
     "load_experts": "models.quant.formats.compressed_tensors",
     "load_linear": "models.quant.formats.compressed_tensors",
-    "pack": "models.quant.formats.compressed_tensors",
+    "pack": "models.quant.formats.int_formats",
     "prepare_for_load": "models.quant.formats.compressed_tensors",
     "read_scheme": "models.quant.formats.compressed_tensors",
     "to_compressed_tensors": "models.quant.formats.compressed_tensors",
-    "unpack": "models.quant.formats.compressed_tensors",
+    "unpack": "models.quant.formats.int_formats",
+    "ActFormat": "models.quant.formats.registry",
+    "WeightFormat": "models.quant.formats.registry",
+    "register_weight_format": "models.quant.formats.registry",
+    "weight_format": "models.quant.formats.registry",
     "SCHEME_RE": "models.quant.schemes",
     "Options": "models.quant.schemes",
     "Scheme": "models.quant.schemes",

@@ -27,7 +27,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 from flax import nnx
 
@@ -37,7 +36,7 @@ from models.quant import quantizers as Q
 from models.quant.awq import awq_layer
 from models.quant.calibration import ExpertStats, Stats, _layer_forward, calibration_tokens, collect_stats
 from models.quant.rotation import rotate_model
-from models.quant.schemes import FP8_BLOCK, Options, Scheme, parse_scheme
+from models.quant.schemes import Options, Scheme, parse_scheme
 from models.quant.smoothquant import smooth_layer
 from models.quant.state import QMatrix, set_activations, set_experts, set_linear
 from models.quant.targets import Unit, check_supported, is_quantized, quant_units
@@ -49,40 +48,17 @@ from models.quant.targets import Unit, check_supported, is_quantized, quant_unit
 
 def quantize_matrix(w: np.ndarray, stats: Stats | None, scheme: Scheme, opts: Options,
                     global_scale: np.ndarray | None = None) -> tuple[QMatrix, str]:
-    """w [out, in] float32 -> (QMatrix, the algorithm used: fp8-block, gptq or rtn). GPTQ without
-    calibration tokens falls back to RTN; AWQ's weights arrive already scaled and are rounded by RTN.
-    `global_scale`: NVFP4's, shared with the fused siblings (`nvfp4_global_scales`); default: w's own."""
-    if scheme.kind == "fp4":
-        if scheme.method == "gptq" and stats is not None and stats.n > 0:
-            t = Q.gptq_fp4(w, stats.H.astype(np.float32), scheme.fp4, global_scale,
-                           dampening_frac=opts.dampening_frac)
-            how = "gptq"
-        else:
-            t = Q.nvfp4(w, global_scale) if scheme.fp4 == "nvfp4" else Q.mxfp4(w)
-            how = "rtn"
-        return QMatrix(t.q.astype(ml_dtypes.float8_e4m3fn), t.scale, None, t.global_scale), how
-    if scheme.kind in ("fp8-block", "fp8"):  # FP8 per 128x128 tile, or per output channel (a [1, in] tile)
-        q, s = Q.fp8_block(w, (FP8_BLOCK, FP8_BLOCK) if scheme.kind == "fp8-block" else (1, w.shape[1]))
-        return QMatrix(np.asarray(q), np.asarray(s, np.float32)), scheme.kind
-    if scheme.method == "gptq" and stats is not None and stats.n > 0:
-        qt = Q.gptq(w, stats.H.astype(np.float32), scheme.args, dampening_frac=opts.dampening_frac,
-                    actorder=scheme.actorder)
-        how = "gptq"
-    else:
-        qt = Q.rtn(w, scheme.args)
-        how = "rtn"
-    return QMatrix(np.asarray(qt.q, np.int8), np.asarray(qt.scale, np.float32),
-                   None if qt.zero is None else np.asarray(qt.zero, np.int8)), how
+    """w [out, in] float32 -> (QMatrix, the algorithm used: the format's own rounding, gptq or rtn), by the
+    scheme's weight format (models/quant/formats/registry.py). GPTQ without calibration tokens falls back to
+    RTN; AWQ's weights arrive already scaled and are rounded by RTN. `global_scale`: NVFP4's, shared with the
+    fused siblings (`nvfp4_global_scales`); default: w's own."""
+    fmt = scheme.format
+    gptq = scheme.method == "gptq" and "gptq" in fmt.methods and stats is not None and stats.n > 0
+    return fmt.quantize(w, scheme, stats.H.astype(np.float32) if gptq else None, opts, global_scale)
 
 
 def dequantized(qm: QMatrix, scheme: Scheme) -> np.ndarray:
-    if scheme.kind == "fp4":
-        return Q.dequantize_fp4(qm.q, qm.scale, qm.global_scale)
-    if scheme.kind == "fp8-block":
-        return np.asarray(Q.dequantize_fp8_block(qm.q, qm.scale, (FP8_BLOCK, FP8_BLOCK)))
-    if scheme.kind == "fp8":
-        return np.asarray(qm.q).astype(np.float32) * np.asarray(qm.scale, np.float32)  # scale [out, 1]
-    return np.asarray(Q.dequantize(Q.QTensor(qm.q, qm.scale, qm.zero), scheme.args))
+    return scheme.format.dequantize(qm, scheme)
 
 
 def _row(name: str, w: np.ndarray, qm: QMatrix, stats: Stats | None, scheme: Scheme, how: str,
@@ -119,12 +95,12 @@ def fused_groups(names: Sequence[str]) -> list[list[str]]:
     return list(members.values())
 
 
-def nvfp4_global_scales(units: Sequence[Unit]) -> dict[str, np.ndarray]:
-    """HF name -> the NVFP4 global scale [1] of every quantized Linear, shared within fused groups. (Experts:
-    each expert's gate/up share one, set in `_quantize_unit`.)"""
+def nvfp4_global_scales(units: Sequence[Unit], scheme: Scheme) -> dict[str, np.ndarray]:
+    """HF name -> the global scale [1] (NVFP4's: a format with `shared_global`) of every quantized Linear, shared
+    within fused groups. (Experts: each expert's gate/up share one, set in `_quantize_unit`.)"""
     amax = {u.name: float(np.max(np.abs(np.asarray(u.module.weight(), np.float32)), initial=0.0))
             for u in units if isinstance(u.module, Linear)}
-    return {n: Q.nvfp4_global_scale(max(amax[m] for m in group)) for group in fused_groups(list(amax))
+    return {n: scheme.format.global_scale(max(amax[m] for m in group)) for group in fused_groups(list(amax))
             for n in group}
 
 
@@ -140,7 +116,7 @@ def _quantize_unit(unit: Unit, stats: dict[str, Stats | ExpertStats], scheme: Sc
         w = np.asarray(unit.module.weight(), np.float32).T  # [out, in], LoRA folded in
         st = stats.get(unit.name)
         qm, how = quantize_matrix(w, st, scheme, opts, (globals_ or {}).get(unit.name))
-        set_linear(unit.module, qm, scheme.kind, scheme.bits)
+        set_linear(unit.module, qm, scheme)
         return [_row(unit.name, w, qm, st, scheme, *_label(unit.name, how, st, scheme, awq_folded))]
     ex: Experts = unit.module
     gu, down = (np.asarray(a, np.float32) for a in ex.weights())  # [E, D, 2I], [E, I, D]
@@ -157,8 +133,8 @@ def _quantize_unit(unit: Unit, stats: dict[str, Stats | ExpertStats], scheme: Sc
             for e in range(c0, c1):
                 st = None if H is None else st_all.expert(e, H[e - c0])
                 fallback = st is not None and st.n < opts.expert_min_tokens and pooled is not None and pooled.n > 0
-                g = Q.nvfp4_global_scale(max(float(np.abs(stack[e]).max(initial=0.0)) for _, stack in parts)) \
-                    if scheme.fp4 == "nvfp4" else None  # gate and up: one fused projection, one global scale
+                g = scheme.format.global_scale(max(float(np.abs(stack[e]).max(initial=0.0)) for _, stack in parts)) \
+                    if scheme.format.shared_global else None  # gate and up: one fused projection, one global scale
                 for part, stack in parts:
                     w = stack[e].T  # [out, in]
                     qm, how = quantize_matrix(w, pooled if fallback else st, scheme, opts, g)
@@ -169,7 +145,7 @@ def _quantize_unit(unit: Unit, stats: dict[str, Stats | ExpertStats], scheme: Sc
                     mats[part].append(qm)
                     rows.append(_row(f"{unit.name}.{e}.{part}", w, qm, st, scheme, how, note))
             H = st = None  # the chunk's Hessians (st holds a view) go before the next chunk's are built
-    set_experts(ex, mats["gate_proj"], mats["up_proj"], mats["down_proj"], scheme.kind, scheme.bits)
+    set_experts(ex, mats["gate_proj"], mats["up_proj"], mats["down_proj"], scheme)
     return rows
 
 
@@ -205,7 +181,7 @@ def _set_unit_activations(unit: Unit, stats: dict[str, Stats | ExpertStats], sch
 
 def _label(name: str, how: str, st: Stats | None, scheme: Scheme, awq_folded: set[str]) -> tuple[str, str | None]:
     """(method, fallback reason or None) for the report."""
-    if scheme.kind in ("fp8-block", "fp8") or scheme.method == "rtn":
+    if scheme.format.methods == ("rtn",) or scheme.method == "rtn":  # no calibrated algorithm to fall back from
         return how, None
     if st is None or st.n <= 0:
         return "rtn", "no calibration tokens reached it: RTN"
@@ -232,12 +208,12 @@ def quantize_model(model: nnx.Module, scheme: Scheme, batches: Sequence[tuple[np
     check_supported(units, scheme)
     rotation = None
     if opts.rotate is not None:  # block rotations: one Hadamard per activation scale group (32 without one)
-        block = (scheme.group_size if scheme.act in ("nvfp4", "mxfp4") else 32) if opts.rotate == "hadamard-block" \
-            else None
+        grouped_act = scheme.act_format is not None and scheme.act_format.group is not None
+        block = (scheme.group_size if grouped_act else 32) if opts.rotate == "hadamard-block" else None
         rotation = rotate_model(model, seed=opts.rotate_seed, block=block)
-    globals_ = nvfp4_global_scales(units) if scheme.fp4 == "nvfp4" else None
+    globals_ = nvfp4_global_scales(units, scheme) if scheme.format.shared_global else None
     if not batches:  # RTN and FP8 need no data (the report then has weight errors only); GPTQ / AWQ do
-        if scheme.kind in ("int", "fp4") and scheme.method != "rtn":
+        if scheme.method != "rtn":
             raise ValueError(f"scheme {scheme.name}: {scheme.method.upper()} needs calibration data")
         if scheme.static_act or scheme.smooth:
             what = "SmoothQuant" if scheme.smooth else "its static activation scales"

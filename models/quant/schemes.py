@@ -36,8 +36,9 @@ AWQ, RTN) and docs/formats/compressed-tensors.md (how each scheme is written).
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
+
+from models.quant.formats.registry import WEIGHT_FORMATS, ActFormat, WeightFormat, act_format, weight_format
 
 FP8_BLOCK = 128  # fp8-block: one scale per FP8_BLOCK x FP8_BLOCK tile
 FP4_GROUP = {"nvfp4": 16, "mxfp4": 32}  # values per scale of the FP4 formats
@@ -73,42 +74,63 @@ class IntArgs:
 
 @dataclasses.dataclass(frozen=True)
 class Scheme:
+    """A parsed scheme: its weight format (`weight`, a name registered in models/quant/formats/registry.py)
+    with the scheme's knobs, the algorithm, and its activation format (`act`, registered too; None:
+    weight-only)."""
+
     name: str
-    kind: str  # "int" | "fp8-block" | "fp8" (per output channel) | "fp4"
+    weight: str  # "packed-int" | "int8-channel" | "fp8-block" | "fp8-channel" | "nvfp4" | "mxfp4" | registered
     bits: int = 8
     group_size: int | None = None  # None: one scale per output channel
     symmetric: bool = True
-    method: str = "rtn"  # rtn | gptq | awq (fp8-block: rtn)
+    method: str = "rtn"  # rtn | gptq | awq (the weight format's `methods`)
     actorder: bool = False
-    fp4: str | None = None  # kind "fp4": "nvfp4" | "mxfp4"
     act: str | None = None  # input activations: None (weight-only) | "fp8" | "int8" | "nvfp4" | "mxfp4"
     smooth: bool = False  # SmoothQuant before quantizing (int8-w8a8)
 
     @property
+    def format(self) -> WeightFormat:
+        """The registered weight format (models/quant/formats/registry.py)."""
+        return weight_format(self.weight)
+
+    @property
+    def act_format(self) -> ActFormat | None:
+        return None if self.act is None else act_format(self.act)
+
+    @property
+    def kind(self) -> str:
+        """The weight format's family: "int" | "fp8-block" | "fp8" (per output channel) | "fp4"."""
+        return self.format.kind
+
+    @property
+    def fp4(self) -> str | None:
+        """Kind "fp4": the format's name, "nvfp4" | "mxfp4"."""
+        return self.weight if self.kind == "fp4" else None
+
+    @property
     def static_act(self) -> bool:
         """The activations have a calibrated (static) part: NVFP4's global input scale."""
-        return self.act == "nvfp4"
+        return self.act is not None and act_format(self.act).static
 
     @property
     def args(self) -> IntArgs:
         return IntArgs(self.bits, self.group_size, self.symmetric)
 
     def groups(self, in_features: int) -> int:
-        if self.kind == "fp8-block":
-            return math.ceil(in_features / FP8_BLOCK)
-        return self.args.groups(in_features)
+        return self.format.groups(self, in_features)
 
 
 def parse_scheme(name: str) -> Scheme:
-    """A scheme name (see the module docstring) -> Scheme; ValueError naming the accepted forms otherwise."""
+    """A scheme name (see the module docstring, or one a registered weight format adds) -> Scheme; ValueError
+    naming the accepted forms otherwise."""
     if name == "int8":
-        return Scheme("int8", "int", 8, None, True, "rtn")
+        return Scheme("int8", "packed-int", 8, None, True, "rtn")
     if name == "fp8-block":
         return Scheme("fp8-block", "fp8-block", 8)
     if name == "fp8-dynamic":
-        return Scheme("fp8-dynamic", "fp8", 8, None, True, "rtn", act="fp8")
+        return Scheme("fp8-dynamic", "fp8-channel", 8, None, True, "rtn", act="fp8")
     if m := FP4_RE.fullmatch(name):
-        return Scheme(name, "fp4", 4, FP4_GROUP[m["fmt"]], True, "gptq" if m["gptq"] else "rtn", fp4=m["fmt"],
+        return Scheme(name, m["fmt"], 4, FP4_GROUP[m["fmt"]], True, "gptq" if m["gptq"] else "rtn",
                       act=None if m["a16"] else m["fmt"])
     if m := W8A8_RE.fullmatch(name):
         int8 = m["w"] == "int8-w8a8"
@@ -117,10 +139,13 @@ def parse_scheme(name: str) -> Scheme:
         group = None if int8 else int(m["group"] or 128)
         if group is not None and group <= 0:
             raise ValueError(f"scheme {name!r}: group size must be positive")
-        return Scheme(name, "int", 8 if int8 else 4, group, True, "gptq" if m["gptq"] else "rtn",
-                      act="int8" if int8 else "fp8", smooth=int8 and not m["nosmooth"])
+        return Scheme(name, "int8-channel" if int8 else "packed-int", 8 if int8 else 4, group, True,
+                      "gptq" if m["gptq"] else "rtn", act="int8" if int8 else "fp8", smooth=int8 and not m["nosmooth"])
     m = SCHEME_RE.fullmatch(name)
     if m is None:
+        for fmt in WEIGHT_FORMATS.values():  # scheme names registered formats add (built-ins add none)
+            if (scheme := fmt.parse(name)) is not None:
+                return scheme
         raise ValueError(f"unknown quantization scheme {name!r} (known: int8, fp8-block, fp8-dynamic, "
                          "nvfp4|mxfp4[a16][-gptq], int8-w8a8[-gptq][-nosmooth], w4afp8[-gptq][-g<N>], "
                          "w4a16|w8a16[-asym]-rtn|gptq|awq[-actorder][-g<N>], e.g. w4a16-gptq, w4a16-asym-awq-g64)")
@@ -130,7 +155,7 @@ def parse_scheme(name: str) -> Scheme:
         raise ValueError(f"scheme {name!r}: group size must be positive")
     if m["act"] and m["method"] != "gptq":
         raise ValueError(f"scheme {name!r}: -actorder applies to GPTQ only")
-    return Scheme(name, "int", bits, group, not m["asym"], m["method"], bool(m["act"]))
+    return Scheme(name, "packed-int", bits, group, not m["asym"], m["method"], bool(m["act"]))
 
 
 @dataclasses.dataclass

@@ -23,7 +23,7 @@ from flax import nnx
 
 from models.layers import Linear, QuantScale, QuantWeight, QuantZero, param
 from models.moe import Experts
-from models.quant.schemes import FP4_GROUP, FP8_BLOCK, Scheme, parse_scheme
+from models.quant.schemes import FP4_GROUP, Scheme, parse_scheme
 from models.quant.targets import quant_units
 
 # ------------------------------------------------------------------------------------------------
@@ -44,26 +44,24 @@ class QMatrix:
     input_global: np.ndarray | None = None
 
 
-def _codes_dtype(scheme_kind: str) -> Any:
-    return jnp.float8_e4m3fn if scheme_kind in ("fp8-block", "fp8", "fp4") else jnp.int8
-
-
-def set_linear(lin: Linear, qm: QMatrix, kind: str, bits: int = 8) -> None:
-    """Turn a Linear into its quantized form (the float kernel and LoRA factors are dropped)."""
+def set_linear(lin: Linear, qm: QMatrix, scheme: Scheme) -> None:
+    """Turn a Linear into its quantized form (the float kernel and LoRA factors are dropped); the codes'
+    dtype and scale tiles are the scheme's weight format's."""
     a_in, a_out = lin.axes
-    lin.qweight = param(jnp.asarray(qm.q.T, _codes_dtype(kind)), (a_in, a_out), QuantWeight)  # [in, out]
+    fmt = scheme.format
+    lin.qweight = param(jnp.asarray(qm.q.T, jnp.dtype(fmt.codes)), (a_in, a_out), QuantWeight)  # [in, out]
     lin.scale = param(jnp.asarray(qm.scale.T, jnp.float32), (None, a_out), QuantScale)  # [G, out]
     lin.zero = None if qm.zero is None else param(jnp.asarray(qm.zero.T, jnp.int8), (None, a_out), QuantZero)
     lin.qglobal = None if qm.global_scale is None else param(jnp.asarray(qm.global_scale, jnp.float32).reshape(1),
                                                              (None,), QuantScale)
-    lin.qblock = FP8_BLOCK if kind == "fp8-block" else None
-    lin.qbits = bits
+    lin.qblock = fmt.block
+    lin.qbits = scheme.bits
     lin.kernel = None
     lin.lora_a = lin.lora_b = lin.lora_dropout = None
 
 
-def set_experts(ex: Experts, gate: Sequence[QMatrix], up: Sequence[QMatrix], down: Sequence[QMatrix], kind: str,
-                bits: int = 8) -> None:
+def set_experts(ex: Experts, gate: Sequence[QMatrix], up: Sequence[QMatrix], down: Sequence[QMatrix],
+                scheme: Scheme) -> None:
     """Per-expert HF matrices (gate_proj, up_proj [I, D]; down_proj [D, I]) -> stacked codes: gate_up
     [E, D, 2I] (gate columns first), scales [E, G, 2I] (FP8: gate's tiles then up's, [E, D/128, 2·I/128]);
     NVFP4 global scales [E, 1] (gate's and up's must be equal: one scale for the fused projection)."""
@@ -75,7 +73,7 @@ def set_experts(ex: Experts, gate: Sequence[QMatrix], up: Sequence[QMatrix], dow
                      None if g.zero is None else np.concatenate([g.zero, u.zero], 0), g.global_scale)
              for g, u in zip(gate, up, strict=True)]
     for w, mats, axes in (("gate_up", fused, ("expert", "embed", "mlp")), ("down", down, ("expert", "mlp", "embed"))):
-        setattr(ex, f"{w}_q", param(jnp.asarray(np.stack([m.q.T for m in mats]), _codes_dtype(kind)), axes,
+        setattr(ex, f"{w}_q", param(jnp.asarray(np.stack([m.q.T for m in mats]), jnp.dtype(scheme.format.codes)), axes,
                                     QuantWeight))  # [E, in, out]
         setattr(ex, f"{w}_scale", param(jnp.asarray(np.stack([m.scale.T for m in mats]), jnp.float32),
                                         (axes[0], None, axes[2]), QuantScale))  # [E, G, out]
@@ -88,8 +86,8 @@ def set_experts(ex: Experts, gate: Sequence[QMatrix], up: Sequence[QMatrix], dow
         setattr(ex, f"{w}_global", glob)
         setattr(ex, w, None)
     ex.gate_up_lora_a = ex.gate_up_lora_b = ex.down_lora_a = ex.down_lora_b = ex.lora_dropout = None
-    ex.qblock = FP8_BLOCK if kind == "fp8-block" else None
-    ex.qbits = bits
+    ex.qblock = scheme.format.block
+    ex.qbits = scheme.bits
 
 
 def set_activations(m: Linear | Experts, act: str | None,
@@ -178,7 +176,7 @@ def scheme_of(model: nnx.Module) -> Scheme:
         codes = m.qweight if isinstance(m, Linear) else m.gate_up_q
         if codes[...].dtype == jnp.float8_e4m3fn:  # FP4 values held as float8: the group size tells the format
             return parse_scheme("nvfp4a16" if n_in // G == FP4_GROUP["nvfp4"] else "mxfp4a16")
-        return Scheme(f"w{m.qbits}a16", "int", m.qbits, None if G == 1 else n_in // G, z is None)
+        return Scheme(f"w{m.qbits}a16", "packed-int", m.qbits, None if G == 1 else n_in // G, z is None)
     raise ValueError("the model is not quantized")
 
 

@@ -51,7 +51,6 @@ from flax import nnx
 from models import families
 from models.layers import Linear
 from models.moe import Experts
-from models.quant import quantizers as Q
 from models.quant.driver import fused_groups, quantize_matrix
 from models.quant.formats.compressed_tensors import _tensors_for, compressed_tensors_config, tensor_specs
 from models.quant.formats.dequantizing import DequantizingCheckpoint
@@ -165,7 +164,7 @@ def quantize_checkpoint(src: str, out: str, scheme: Scheme, *, ignore: Sequence[
         what = "SmoothQuant" if scheme.smooth else "its static activation scales (NVFP4 activations)"
         raise ValueError(f"scheme {scheme.name}: {what} need calibration activations, which need the model; "
                          "quantize it in the release's quantize stage instead")
-    if scheme.kind in ("int", "fp4") and scheme.method != "rtn":
+    if scheme.method != "rtn":
         raise ValueError(f"scheme {scheme.name}: {scheme.method.upper()} needs calibration activations, which need "
                          "the model: use the quantize stage (streaming quantization is round-to-nearest)")
     t0 = time.perf_counter()
@@ -185,7 +184,7 @@ def quantize_checkpoint(src: str, out: str, scheme: Scheme, *, ignore: Sequence[
             raise ValueError(f"{base.path_of(missing[0])}: missing tensor {missing[0]} (one of {len(missing)} "
                              "weights the model quantizes)")
         plan = _plan(base, tensors, names)
-        globals_ = _nvfp4_globals(tensors or base, targets, chunk_bytes) if scheme.fp4 == "nvfp4" else {}
+        globals_ = _nvfp4_globals(tensors or base, targets, scheme, chunk_bytes) if scheme.format.shared_global else {}
         if globals_:
             say(f"nvfp4: the global scales of {len(globals_)} weights in {time.perf_counter() - t0:.1f}s")
         dest = _Destination(out)
@@ -235,8 +234,9 @@ def _rows(tensors: Any, name: str, shape: tuple[int, int], chunk_bytes: int):
         yield r0, rows
 
 
-def _nvfp4_globals(tensors: Any, targets: dict[str, str], chunk_bytes: int) -> dict[str, np.ndarray]:
-    """Tensor name -> its NVFP4 global scale, shared within each fused group (one chunked read of each weight)."""
+def _nvfp4_globals(tensors: Any, targets: dict[str, str], scheme: Scheme, chunk_bytes: int) -> dict[str, np.ndarray]:
+    """Tensor name -> its global scale (NVFP4's: the weight format's `global_scale`), shared within each fused
+    group (one chunked read of each weight)."""
     by_module = {m: n for n, m in targets.items()}
     out: dict[str, np.ndarray] = {}
     for group in fused_groups(list(by_module)):
@@ -245,7 +245,7 @@ def _nvfp4_globals(tensors: Any, targets: dict[str, str], chunk_bytes: int) -> d
             name = by_module[m]
             for _, rows in _rows(tensors, name, _shape(tensors, name), chunk_bytes):
                 amax = max(amax, float(np.abs(rows).max(initial=0.0)))
-        g = Q.nvfp4_global_scale(amax)
+        g = scheme.format.global_scale(amax)
         out.update({by_module[m]: g for m in group})
     return out
 

@@ -63,7 +63,7 @@ def is_gpt_oss_experts(module: Any) -> bool:
 
 def gpt_oss_mxfp4(scheme: Scheme) -> bool:
     """Whether `scheme` writes GPT-OSS's own MXFP4 expert layout: weight-only MXFP4 (mxfp4a16, RTN or GPTQ)."""
-    return scheme.kind == "fp4" and scheme.fp4 == "mxfp4" and scheme.act is None
+    return scheme.weight == "mxfp4" and scheme.act is None
 
 
 def quant_units(model: nnx.Module, ignore: Sequence[str] = (), scheme: Scheme | None = None) -> list[Unit]:
@@ -102,9 +102,9 @@ def is_quantized(model: nnx.Module) -> bool:
 def check_divisible(units: Sequence[Unit], scheme: Scheme) -> None:
     """A group size must divide every quantized layer's input width (compressed-tensors and the serving
     kernels need whole groups): one error naming the first offending layer and the way out."""
-    if scheme.kind not in ("int", "fp4") or scheme.group_size is None:
+    if scheme.group_size is None:  # channels or tiles: nothing to divide
         return
-    way_out = "pick a group size that divides it (suffix -g<N>) or add" if scheme.kind == "int" else "add"
+    way_out = "add" if scheme.format.fixed_group else "pick a group size that divides it (suffix -g<N>) or add"
     for unit in units:
         for name, n_in in unit.in_features():
             if n_in % scheme.group_size:
