@@ -26,6 +26,7 @@ from typing import Any
 
 from models.draft_format import folder_kind
 from storage import git_sha
+from tasks.cli import stage_cli
 from tasks.code import source_version
 from tasks.configs import ExportConfig
 from tasks.layout import draft_dir
@@ -194,3 +195,12 @@ def run(config: ExportConfig, inputs: Mapping[str, Path], output: Path, *, progr
     return {"name": cfg.name, "gates_passed": not failed, "waivers": len(lineage["waivers"]), "draft": draft_name,
             "schemes": schemes, "adapter": has_adapter,
             "stages": {k: v["fingerprint"] for k, v in lineage["stages"].items()}}
+
+
+# `python -m tasks.export`: the command line every stage has; export itself refuses to run outside a release,
+# whose commit protocol knows the inputs' manifests that lineage.json records.
+main = stage_cli(__name__)
+
+
+if __name__ == "__main__":
+    main()

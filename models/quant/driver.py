@@ -35,6 +35,7 @@ from models.moe import Experts
 from models.quant import quantizers as Q
 from models.quant.awq import awq_layer
 from models.quant.calibration import ExpertStats, Stats, _layer_forward, calibration_tokens, collect_stats
+from models.quant.formats import fp4_formats, fp8_formats, int_formats  # noqa: F401 - the formats it quantizes to
 from models.quant.rotation import rotate_model
 from models.quant.schemes import Options, Scheme, parse_scheme
 from models.quant.smoothquant import smooth_layer

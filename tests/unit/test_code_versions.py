@@ -79,6 +79,8 @@ def test_a_code_change_recomputes_the_stages_that_import_it_and_no_other(tree):
     ("models/lora.py", {"finetune"}),
     ("tasks/training/checkpoints.py", {"base", "finetune", "draft"}),  # resumable training only
     ("models/llama.py", {"base", "finetune", "quantize", "traces", "draft", "evaluate"}),  # any model loader
+    # a weight format's code (its registry loads it by name): every stage that quantizes or reads a quantized model
+    ("models/quant/formats/int_formats.py", {"base", "finetune", "quantize", "traces", "draft", "evaluate"}),
 ])
 def test_a_model_change_recomputes_only_the_stages_that_run_it(tree, rel, recomputed):
     base = _versions(tree)

@@ -6,7 +6,7 @@ quantizes a tiny Llama through `quantize_model`, is written by `save_pretrained`
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -24,57 +24,24 @@ from models.quant.formats.registry import (
     unregister_weight_format,
     weight_format,
 )
-from models.quant.schemes import Scheme
-from models.quant.state import QMatrix
 
 pytestmark = pytest.mark.unit
 jax.config.update("jax_default_matmul_precision", "highest")
 
 
-class ToyU8(WeightFormat):
-    """8-bit uniform, symmetric, one scale per output channel; on disk offset-binary uint8 codes."""
+DOC = Path(__file__).resolve().parents[2] / "docs" / "adding-a-quantization-format.md"
 
-    name = "toy-u8"
-    kind = "int"
-    read_note = "naive-quantized toy-u8"
 
-    def parse(self, name: str) -> Scheme | None:
-        return Scheme(name, self.name, 8, None, True, "rtn") if name == "toy-u8" else None
+def _toy_from_the_doc() -> type[WeightFormat]:
+    """The page's toy format, executed from its code block: the steps the page describes are the code run here."""
+    text = DOC.read_text()
+    start = text.index("```python\n", text.index("<!-- toy format:")) + len("```python\n")
+    namespace: dict[str, Any] = {}
+    exec(compile(text[start:text.index("```", start)], str(DOC), "exec"), namespace)  # noqa: S102 (our own doc)
+    return namespace["ToyU8"]
 
-    def quantize(self, w, scheme, H, opts, global_scale=None):
-        s = np.abs(w).max(axis=1, keepdims=True) / 127.0  # [out, 1]
-        s = np.where(s == 0, 1.0, s).astype(np.float32)
-        return QMatrix(np.clip(np.rint(w / s), -127, 127).astype(np.int8), s), "rtn"
 
-    def dequantize(self, qm, scheme):
-        return qm.q.astype(np.float32) * qm.scale
-
-    def compressed_tensors_format(self, scheme):
-        return "naive-quantized"
-
-    def weight_args(self, scheme) -> dict[str, Any]:
-        return {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel", "group_size": None,
-                "dynamic": False, "observer": "toy-u8"}
-
-    def specs(self, name, out, n_in, scheme, scale_dtype):
-        return [(f"{name}.weight_u8", (out, n_in), np.dtype(np.uint8)),
-                (f"{name}.weight_scale", (out, 1), np.dtype(scale_dtype))]
-
-    def pack(self, name, qm, scheme, scale_dtype):
-        return {f"{name}.weight_u8": (qm.q.astype(np.int16) + 128).astype(np.uint8),
-                f"{name}.weight_scale": qm.scale.astype(scale_dtype)}
-
-    def unpack(self, get, name, out, n_in, scheme):
-        u, s = get(f"{name}.weight_u8", (out, n_in)), get(f"{name}.weight_scale", (out, 1))
-        if u is None or s is None:
-            return None
-        return QMatrix((np.asarray(u).astype(np.int16) - 128).astype(np.int8), np.asarray(s, np.float32))
-
-    def zeros(self, out, n_in, scheme):
-        return QMatrix(np.zeros((out, n_in), np.int8), np.ones((out, 1), np.float32))
-
-    def read(self, fmt: str | None, weights: Mapping[str, Any]) -> Scheme | None:
-        return self.parse("toy-u8") if fmt == "naive-quantized" and weights.get("observer") == "toy-u8" else None
+ToyU8 = _toy_from_the_doc()
 
 
 @pytest.fixture

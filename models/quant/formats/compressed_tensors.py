@@ -41,6 +41,7 @@ from flax import nnx
 
 from models.layers import Linear
 from models.moe import Experts
+from models.quant.formats import fp8_formats  # noqa: F401 - the built-in formats this reads and writes
 from models.quant.formats.fp4_formats import pack_fp4, unpack_fp4  # noqa: F401 - re-exported
 from models.quant.formats.int_formats import pack, unpack  # noqa: F401 - re-exported
 from models.quant.formats.registry import weight_formats

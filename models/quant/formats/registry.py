@@ -31,14 +31,17 @@ from typing import TYPE_CHECKING, Any, ClassVar
 if TYPE_CHECKING:
     import numpy as np
 
-    from models.quant.schemes import Options, Scheme
-    from models.quant.state import QMatrix
+# The types the methods take, from modules that import this one (models/quant/schemes.py `Scheme`, `Options`;
+# models/quant/state.py `QMatrix`): named here without importing them, so the imports point one way.
+Scheme = Options = QMatrix = Any
 
 TensorSpec = tuple[str, tuple, Any]  # (tensor name, shape, numpy dtype)
 Getter = Callable[[str, tuple], Any]  # hf_to_state's get(name, shape): the array, or None when missing
 
-BUILTIN_MODULES = ("models.quant.formats.int_formats", "models.quant.formats.fp8_formats",
-                   "models.quant.formats.fp4_formats")
+# The built-in formats' modules in this package, imported on the first lookup. They import this module, so
+# it names them relative to its package: the modules that run a format's code (the driver, the compressed-tensors
+# reader and writer) import them by name, which is how a stage's code version covers them (tasks/code.py).
+BUILTIN_MODULES = ("int_formats", "fp8_formats", "fp4_formats")
 
 
 class WeightFormat:
@@ -152,7 +155,7 @@ def _load_builtins() -> None:
     if not _builtins_loaded:
         _builtins_loaded = True
         for module in BUILTIN_MODULES:
-            importlib.import_module(module)
+            importlib.import_module(f"{__package__}.{module}")
 
 
 def weight_format(name: str) -> WeightFormat:
