@@ -20,6 +20,7 @@ import posixpath
 import shutil
 import threading
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
@@ -163,6 +164,12 @@ def write_bytes(url: str, data: bytes) -> None:
         with open_url(url, "wb") as f:
             f.write(data)
         return
+    _local_publish(fs_, path, data, os.replace)
+
+
+def _local_publish(fs_: fsspec.AbstractFileSystem, path: str, data: bytes, publish: Callable[[str, str], None]) -> None:
+    """Write `data` to a hidden temporary file beside local `path`, then `publish(tmp, path)` it (os.replace:
+    overwrite; os.link: only if the name is free, FileExistsError otherwise); the temporary file never stays."""
     parent = posixpath.dirname(path)
     if parent:
         fs_.makedirs(parent, exist_ok=True)
@@ -170,7 +177,7 @@ def write_bytes(url: str, data: bytes) -> None:
     try:
         with open(tmp, "wb") as f:
             f.write(data)
-        os.replace(tmp, path)
+        publish(tmp, path)
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
@@ -205,19 +212,10 @@ def create_bytes(url: str, data: bytes) -> bool:
                 return False
             fs_.pipe_file(path, data)
         return True
-    parent = posixpath.dirname(path)
-    if parent:
-        fs_.makedirs(parent, exist_ok=True)
-    tmp = posixpath.join(parent, f".{posixpath.basename(path)}.{uuid.uuid4().hex}.tmp")
     try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-        os.link(tmp, path)
+        _local_publish(fs_, path, data, os.link)
     except FileExistsError:
         return False
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
     return True
 
 
