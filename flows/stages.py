@@ -139,7 +139,7 @@ def stage_task(name: str, kind: str, config: dict[str, Any], inputs: dict[str, d
         _announce(StageEvent(name, kind, ref, done is None, time.perf_counter() - t0))
         return ref.to_dict()
     computed: list[bool] = []  # set when this process computes the stage (not when it waits for another)
-    ref = registry.run_stage(Store(store), kind, registry.parse(spec, config), refs, salt=salt,
+    ref = registry.run_stage(Store(store), kind, spec.parse(config), refs, salt=salt,
                              progress=_progress_reporter(name) if spec.trains else None,
                              on_compute=lambda: computed.append(True), runner=ex.runner_for(res))
     _announce(StageEvent(name, kind, ref, bool(computed), time.perf_counter() - t0))
@@ -185,7 +185,7 @@ def stage_flow(name: str, kind: str, config: dict[str, Any], inputs: dict[str, d
     runner = ex.runner_for(res, mode, ex.pool_type(pool) if pool and res.hosts > 1 else None)
 
     def compute() -> ArtifactRef:
-        return registry.run_stage(Store(store), kind, registry.parse(spec, config), refs, salt=salt,
+        return registry.run_stage(Store(store), kind, spec.parse(config), refs, salt=salt,
                                   progress=_progress_reporter(name) if spec.trains else None, runner=runner)
 
     with routed_logs():

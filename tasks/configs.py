@@ -474,6 +474,38 @@ class ExportConfig(BaseModel):
     enforce_gates: bool = True
 
 
+# -- validation: one line per error ----------------------------------------------------------------
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+class ConfigError(ValueError):
+    """A recipe or override that does not fit the schema."""
+
+
+def _one_line(e: ValidationError, source: str) -> ConfigError:
+    err = e.errors()[0]
+    key = ".".join(str(p) for p in err["loc"])
+    if err["type"] == "extra_forbidden":
+        return ConfigError(f"{source}: unknown key '{key}'")
+    got = f" (got {err['input']!r})" if "input" in err and not isinstance(err["input"], dict) else ""
+    more = f" (+{len(e.errors()) - 1} more)" if len(e.errors()) > 1 else ""
+    msg = err["msg"].removeprefix("Value error, ")
+    if err["type"] == "value_error":  # a validator's own message says what was wrong; the input is the section
+        got = ""
+    return ConfigError(f"{source}: {key + ': ' if key else ''}{msg}{got}{more}")
+
+
+def validate(cls: type[M], data: dict[str, Any], source: str) -> M:
+    """`data` as a `cls`, or a ConfigError whose one line names the key and what is wrong (`source` first)."""
+    try:
+        return cls.model_validate(data)
+    except ValidationError as e:
+        raise _one_line(e, source) from None
+
+
+
 # -- every stage, declared once -------------------------------------------------------------------
 
 
@@ -503,12 +535,30 @@ class Stage:
     def load(self) -> Any:
         return importlib.import_module(f"tasks.{self.module}")
 
+    def parse(self, config: BaseModel | Mapping[str, Any]) -> BaseModel:
+        """The typed config: validated once (a dict from a Prefect parameter), or passed through. Mappings
+        are read in sorted key order, so a config that travelled through a server that reorders keys (a
+        Prefect parameter stored as PostgreSQL JSONB) is the same object, and writes the same files
+        (export's lineage.json), as the one that never left the process."""
+        if isinstance(config, self.config):
+            return config
+        data = config.model_dump(mode="json") if isinstance(config, BaseModel) else dict(config)
+        return validate(self.config, _sorted(data), self.name)
+
     def check_inputs(self, inputs: Mapping[str, Any]) -> None:
         missing = [n for n in self.inputs if n not in inputs]
         unknown = [n for n in inputs if n not in self.inputs + self.optional]
         if missing or unknown:
             raise ValueError(f"stage {self.name}: inputs {sorted(inputs)} (missing {missing}, unknown {unknown}; "
                              f"takes {list(self.inputs)} and optionally {list(self.optional)})")
+
+
+def _sorted(value: Any) -> Any:
+    if isinstance(value, Mapping):
+        return {k: _sorted(value[k]) for k in sorted(value)}
+    if isinstance(value, list | tuple):
+        return [_sorted(v) for v in value]
+    return value
 
 
 STAGES: dict[str, Stage] = {s.name: s for s in (

@@ -82,7 +82,7 @@ def run_member(spec: dict[str, Any]) -> dict[str, Any] | None:
     initialize_from_env()
     configure_jax()
     stage = registry.stage(spec["kind"])
-    cfg = registry.parse(stage, spec["config"])
+    cfg = stage.parse(spec["config"])
     primary = is_primary()
     store = Store(spec["store"])
     refs = {k: ArtifactRef.from_dict(v) for k, v in spec["refs"].items()}

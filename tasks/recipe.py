@@ -14,36 +14,12 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import yaml
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
-from tasks.configs import ReleaseConfig
+from tasks.configs import ConfigError, ReleaseConfig, validate  # the one-line errors live with the schemas
 
 RECIPES = Path(__file__).parent / "recipes"
 M = TypeVar("M", bound=BaseModel)
-
-
-class ConfigError(ValueError):
-    """A recipe or override that does not fit the schema."""
-
-
-def _one_line(e: ValidationError, source: str) -> ConfigError:
-    err = e.errors()[0]
-    key = ".".join(str(p) for p in err["loc"])
-    if err["type"] == "extra_forbidden":
-        return ConfigError(f"{source}: unknown key '{key}'")
-    got = f" (got {err['input']!r})" if "input" in err and not isinstance(err["input"], dict) else ""
-    more = f" (+{len(e.errors()) - 1} more)" if len(e.errors()) > 1 else ""
-    msg = err["msg"].removeprefix("Value error, ")
-    if err["type"] == "value_error":  # a validator's own message says what was wrong; the input is the section
-        got = ""
-    return ConfigError(f"{source}: {key + ': ' if key else ''}{msg}{got}{more}")
-
-
-def validate(cls: type[M], data: dict[str, Any], source: str) -> M:
-    try:
-        return cls.model_validate(data)
-    except ValidationError as e:
-        raise _one_line(e, source) from None
 
 
 # Sections a recipe may state as one string, short for one of their keys: `execution: workers`.

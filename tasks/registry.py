@@ -16,7 +16,6 @@ from pydantic import BaseModel
 
 from storage import ArtifactRef, Store
 from tasks.configs import STAGES, Stage
-from tasks.recipe import validate
 from tasks.stage import Progress, StageContext, fingerprint_of, run_once
 
 
@@ -26,31 +25,12 @@ def stage(kind: str) -> Stage:
     return STAGES[kind]
 
 
-def parse(spec: Stage, config: BaseModel | Mapping[str, Any]) -> BaseModel:
-    """The stage's typed config: validated once (a dict from a Prefect parameter), or passed through. Mappings
-    are read in sorted key order, so a config that travelled through a server that reorders keys (a Prefect
-    parameter stored as PostgreSQL JSONB) is the same object, and writes the same files (export's
-    lineage.json), as the one that never left the process."""
-    if isinstance(config, spec.config):
-        return config
-    data = config.model_dump(mode="json") if isinstance(config, BaseModel) else dict(config)
-    return validate(spec.config, _sorted(data), spec.name)
-
-
-def _sorted(value: Any) -> Any:
-    if isinstance(value, Mapping):
-        return {k: _sorted(value[k]) for k in sorted(value)}
-    if isinstance(value, list | tuple):
-        return [_sorted(v) for v in value]
-    return value
-
-
 def fingerprint(kind: str, config: BaseModel | Mapping[str, Any], inputs: Mapping[str, ArtifactRef],
                 salt: Mapping[str, Any] | None = None) -> str:
     """A registered stage's address: its kind, validated config (+ `salt`, e.g. the listing of an external
     input), input digests, and the version of the code it runs (tasks/code.py)."""
     spec = stage(kind)
-    return fingerprint_of(kind, _recorded(parse(spec, config), salt), inputs, f"tasks.{spec.module}")
+    return fingerprint_of(kind, _recorded(spec.parse(config), salt), inputs, f"tasks.{spec.module}")
 
 
 def _recorded(cfg: BaseModel, salt: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -75,7 +55,7 @@ def run_stage(store: Store, kind: str, config: BaseModel | Mapping[str, Any], in
     where the compute happens; it is not part of the fingerprint."""
     spec = stage(kind)
     spec.check_inputs(inputs)
-    cfg = parse(spec, config)
+    cfg = spec.parse(config)
     inputs = {name: inputs[name] for name in sorted(inputs)}  # the same order however they travelled (see parse)
 
     def work(ctx: StageContext) -> dict[str, Any]:
