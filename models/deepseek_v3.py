@@ -287,7 +287,7 @@ class DeepseekV3Config:
             raise NotImplementedError(f"config.json: moe_layer_freq {d['moe_layer_freq']!r} (only 1)")
         theta, _, scaling = rope_config_from_hf(d)
         heads = d.get("num_attention_heads", cls.num_attention_heads)
-        nextn = d.get("num_nextn_predict_layers", d.get("num_mtp_layers", 1))
+        nextn = d.get("num_nextn_predict_layers", d.get("num_mtp_layers", cls.num_nextn_predict_layers))
 
         def get(name: str, if_null: Any = None) -> Any:  # the transformers class default when absent
             value = d.get(name, getattr(cls, name))

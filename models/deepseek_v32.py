@@ -64,6 +64,7 @@ class DeepseekV32Config(DeepseekV3Config):
     may name each main-stack layer "dense" or "sparse"."""
 
     max_position_embeddings: int = 163840
+    num_nextn_predict_layers: int = 0  # transformers' V3.2 has no MTP (the Hub config.json says 1)
     model_type: str = "deepseek_v32"
     index_topk: int = 2048  # keys each query may attend to
     index_head_dim: int = 128  # DI
@@ -115,16 +116,17 @@ class DeepseekV32Config(DeepseekV3Config):
 
     @classmethod
     def tiny(cls, vocab_size: int = 256, **overrides: Any) -> DeepseekV32Config:
-        """DeepseekV3Config.tiny (3 layers, 1 dense + 2 MoE, width 64) with a 4-head indexer of 16 dims keeping
+        """DeepseekV3Config.tiny (3 layers, 1 dense + 2 MoE, width 64) with an 8-head indexer of 16 dims keeping
         the top 8 keys: any sequence past 8 tokens runs the sparse path."""
-        kw = dict(index_topk=8, index_head_dim=16, index_n_heads=4, model_type="deepseek_v32")
+        kw = dict(index_topk=8, index_head_dim=16, index_n_heads=8, model_type="deepseek_v32")
         return super().tiny(vocab_size, **{**kw, **overrides})
 
     @classmethod
     def deepseek_v32_exp(cls, **overrides: Any) -> DeepseekV32Config:
         """deepseek-ai/DeepSeek-V3.2-Exp: DeepSeek-V3's shapes, YaRN ×40 and MTP layer, with a 64-head indexer of
         128 dims keeping 2048 keys. [memory of the Hub config.json]"""
-        kw = dict(index_topk=2048, index_head_dim=128, index_n_heads=64, model_type="deepseek_v32")
+        kw = dict(index_topk=2048, index_head_dim=128, index_n_heads=64, num_nextn_predict_layers=1,
+                  model_type="deepseek_v32")
         return cls.deepseek_v3(**{**kw, **overrides})
 
     deepseek_v32 = deepseek_v32_exp
