@@ -86,8 +86,8 @@ class DeepseekV32Config(DeepseekV3Config):
         if self.index_head_dim < self.qk_rope_head_dim:
             raise ValueError(f"index_head_dim {self.index_head_dim} < qk_rope_head_dim {self.qk_rope_head_dim} "
                              "(the indexer rotates its first qk_rope_head_dim dims)")
-        types = self.mlp_layer_types
-        if types == tuple("dense" if i < self.first_k_dense_replace else "sparse" for i in range(self.num_hidden_layers)):
+        types, n = self.mlp_layer_types, self.num_hidden_layers
+        if types == tuple("dense" if i < self.first_k_dense_replace else "sparse" for i in range(n)):
             object.__setattr__(self, "mlp_layer_types", None)  # what first_k_dense_replace says: one spelling
         elif types is not None and (len(types) != self.num_hidden_layers or set(types) - set(MLP_LAYER_TYPES)):
             raise ValueError(f"mlp_layer_types {list(types)}: one of {MLP_LAYER_TYPES} per layer "
