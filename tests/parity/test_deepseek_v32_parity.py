@@ -139,3 +139,17 @@ def test_config_spellings_and_refusals(ckpt, tmp_path):
     tiny = DeepseekV32Config.tiny()
     assert tiny.index_topk < 20 and DeepseekV32(tiny, rngs=__import__("flax").nnx.Rngs(0)).config is tiny
     assert DeepseekV32Config.deepseek_v32_exp().to_hf()["model_type"] == "deepseek_v32"
+
+
+@pytest.mark.parametrize("scheme, opts", [("w4a16-awq-g16", {}), ("int8-w8a8", {}), ("int8", {"rotate": "hadamard"})])
+def test_quantization_transforms_that_miss_the_indexer_refuse(ckpt, scheme, opts):
+    """AWQ, SmoothQuant and rotations fold scales or rotations into every Linear that reads a norm's output; the
+    indexer's wk / weights_proj (the normed input) and wq_b (the q latent) are not among them yet, so these
+    transforms refuse a DeepSeek-V3.2 model rather than change it silently."""
+    from models import quant
+
+    model = from_pretrained(str(ckpt[1]))
+    ids = np.random.default_rng(0).integers(0, model.config.vocab_size, (1, 16)).astype(np.int32)
+    with pytest.raises(NotImplementedError, match="DSA indexer"):
+        quant.quantize_model(model, quant.parse_scheme(scheme), [(ids, np.ones_like(ids))],
+                             opts=quant.Options(**opts))
