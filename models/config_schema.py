@@ -3,10 +3,10 @@
 A config.json is user input: a size that is negative, zero, fractional, a string or a boolean must be refused
 with the file and the key, not reach `nnx.eval_shape` (where JAX fails on the shape with a traceback) or a
 silent mis-build. The names are transformers' own (`LlamaConfig`, `Qwen3MoeConfig`, `DeepseekV3Config`,
-`GptOssConfig`, `Glm4MoeConfig`), which our family configs keep; a key a family does not use is still checked
-when present, so a wrong value never waits for the family that reads it. `check_sizes` runs twice in a load:
-on config.json's dict (what the user wrote) and on the family config built from it (what was derived, e.g.
-`head_dim = hidden_size // num_attention_heads`).
+`GptOssConfig`, `Glm4MoeConfig`, `DeepseekV32Config`), which our family configs keep; a key a family does not
+use is still checked when present, so a wrong value never waits for the family that reads it. `check_sizes` runs
+twice in a load: on config.json's dict (what the user wrote) and on the family config built from it (what was
+derived, e.g. `head_dim = hidden_size // num_attention_heads`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_hea
 POSITIVE_INT = (*REQUIRED, "intermediate_size", "num_key_value_heads", "head_dim", "max_position_embeddings",
                 "moe_intermediate_size", "num_experts", "num_local_experts", "n_routed_experts", "num_experts_per_tok",
                 "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "n_group",
-                "topk_group", "decoder_sparse_step", "sliding_window")
+                "topk_group", "decoder_sparse_step", "sliding_window", "index_topk", "index_head_dim", "index_n_heads")
 NONNEGATIVE_INT = ("first_k_dense_replace", "n_shared_experts", "num_nextn_predict_layers", "num_mtp_layers")
 POSITIVE_FLOAT = ("rms_norm_eps", "rope_theta")
 NONNEGATIVE_FLOAT = ("routed_scaling_factor", "router_aux_loss_coef")

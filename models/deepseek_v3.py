@@ -38,7 +38,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import flax.core
 import jax
@@ -118,6 +118,7 @@ class DeepseekV3Config:
     num_nextn_predict_layers: int = 1  # MTP layers the config declares
     num_mtp_layers: int | None = None  # MTP layers actually built; None -> num_nextn_predict_layers
     model_type: str = "deepseek_v3"  # or "kimi_k2"
+    model_types: ClassVar[tuple[str, ...]] = MODEL_TYPES  # the model_type values this config class accepts
 
     def __post_init__(self):
         set_ = lambda k, v: object.__setattr__(self, k, v)
@@ -129,8 +130,8 @@ class DeepseekV3Config:
             set_("rope_scaling", flax.core.FrozenDict(self.rope_scaling))
         if isinstance(self.eos_token_id, Sequence):
             set_("eos_token_id", tuple(int(e) for e in self.eos_token_id))
-        if self.model_type not in MODEL_TYPES:
-            raise ValueError(f"model_type {self.model_type!r} (known: {', '.join(MODEL_TYPES)})")
+        if self.model_type not in self.model_types:
+            raise ValueError(f"model_type {self.model_type!r} (known: {', '.join(self.model_types)})")
         if self.qk_rope_head_dim % 2:
             raise ValueError("qk_rope_head_dim must be even for rotary embeddings")
         if self.q_lora_rank is not None and self.q_lora_rank <= 0:
@@ -271,6 +272,12 @@ class DeepseekV3Config:
         model_type = d.get("model_type") or "deepseek_v3"
         if model_type not in MODEL_TYPES:
             raise ValueError(f"config.json: model_type {model_type!r} (supported: {', '.join(MODEL_TYPES)})")
+        return cls(**cls.fields_from_hf(d), model_type=model_type)
+
+    @classmethod
+    def fields_from_hf(cls, d: Mapping[str, Any]) -> dict[str, Any]:
+        """The DeepSeek-V3 fields of a config.json dict (both spellings; `cls`'s defaults where a key is absent),
+        after refusing the routing, activation and MoE-frequency values this graph does not implement."""
         for field, want in REQUIRED_ROUTING.items():
             if d.get(field) not in (None, want):
                 raise NotImplementedError(f"config.json: {field} {d[field]!r} is not supported (only {want!r})")
@@ -280,13 +287,13 @@ class DeepseekV3Config:
             raise NotImplementedError(f"config.json: moe_layer_freq {d['moe_layer_freq']!r} (only 1)")
         theta, _, scaling = rope_config_from_hf(d)
         heads = d.get("num_attention_heads", cls.num_attention_heads)
-        nextn = d.get("num_nextn_predict_layers", d.get("num_mtp_layers", 1))
+        nextn = d.get("num_nextn_predict_layers", d.get("num_mtp_layers", cls.num_nextn_predict_layers))
 
         def get(name: str, if_null: Any = None) -> Any:  # the transformers class default when absent
             value = d.get(name, getattr(cls, name))
             return if_null if value is None and if_null is not None else value
 
-        return cls(
+        return dict(
             vocab_size=get("vocab_size"),
             hidden_size=get("hidden_size"),
             intermediate_size=get("intermediate_size"),
@@ -318,7 +325,6 @@ class DeepseekV3Config:
             eos_token_id=get("eos_token_id"),
             pad_token_id=d.get("pad_token_id"),
             num_nextn_predict_layers=int(nextn or 0),
-            model_type=model_type,
         )
 
     def to_hf(self, dtype: str = "float32") -> dict[str, Any]:
@@ -421,39 +427,59 @@ class MLAttention(nnx.Module):
     def rotate(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
         return rope_interleaved(x, cos, sin) if self.interleave else apply_rope(x, cos, sin)
 
-    def __call__(
-        self, x: jax.Array, ctx: Context, cache: KVCache | None, layer: int, window: int | None = None
-    ) -> tuple[jax.Array, KVCache | None]:
+    def project(self, x: jax.Array, ctx: Context) -> tuple[jax.Array | None, jax.Array, jax.Array, jax.Array,
+                                                           jax.Array]:
+        """x [B, T, D] -> (q latent [B, T, Q] (None with a plain q_proj), q_nope [B, T, N, P], rotated q_rot
+        [B, T, N, R], normed kv latent [B, T, C], rotated shared rope key [B, T, 1, R])."""
         B, T, _ = x.shape
-        N, P, R, Vd, C = self.num_heads, self.nope_dim, self.rope_dim, self.v_dim, self.kv_lora_rank
+        N, P, R, C = self.num_heads, self.nope_dim, self.rope_dim, self.kv_lora_rank
         if self.q_proj is not None:
-            q = self.q_proj(x)
+            q_latent, q = None, self.q_proj(x)
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            q_latent = self.q_a_layernorm(self.q_a_proj(x))  # [B, T, Q]
+            q = self.q_b_proj(q_latent)
         q = q.reshape(B, T, N, P + R)  # [B, T, N, P+R]
-        q_nope = q[..., :P]  # [B, T, N, P]
         ckv = self.kv_a_proj_with_mqa(x)  # [B, T, C+R]
         latent = self.kv_a_layernorm(ckv[..., :C])  # [B, T, C]
         k_rot = ckv[..., C:][:, :, None, :]  # [B, T, 1, R]: one rope key shared by every head, not normalised
         cos, sin = ctx.rope
-        q_rot, k_rot = self.rotate(q[..., P:], cos, sin), self.rotate(k_rot, cos, sin)
+        return q_latent, q[..., :P], self.rotate(q[..., P:], cos, sin), latent, self.rotate(k_rot, cos, sin)
+
+    def expanded(self, q_nope: jax.Array, q_rot: jax.Array, latent: jax.Array, k_rot: jax.Array, mask: jax.Array,
+                 causal: bool) -> jax.Array:
+        """Attention with per-head keys and values expanded from this call's latent (no cache): [B, T, N, Vd]."""
+        B, T, N, P = q_nope.shape
+        R, Vd = self.rope_dim, self.v_dim
+        kv = self.kv_b_proj(latent).reshape(B, T, N, P + Vd)  # [B, T, N, P+Vd]
+        k = jnp.concatenate([kv[..., :P], jnp.broadcast_to(k_rot, (B, T, N, R))], axis=-1)  # [B, T, N, P+R]
+        q = jnp.concatenate([q_nope, q_rot], axis=-1)  # [B, T, N, P+R]
+        return attention(q, k.transpose(0, 2, 1, 3), kv[..., P:].transpose(0, 2, 1, 3), mask, causal=causal,
+                         scale=self.scale)  # [B, T, N, Vd]
+
+    def absorbed(self, q_nope: jax.Array, q_rot: jax.Array, c_kv: jax.Array, k_pe: jax.Array,
+                 mask: jax.Array) -> jax.Array:
+        """Latent-space attention over the cached latent c_kv [B, 1, S, C] and rope keys k_pe [B, 1, S, R]
+        (one shared "kv head"), W_UK folded into the query and W_UV applied after: [B, T, N, Vd]."""
+        N, P, Vd, C = self.num_heads, self.nope_dim, self.v_dim, self.kv_lora_rank
+        w = self.kv_b_proj.weight().astype(q_nope.dtype).reshape(C, N, P + Vd)  # [C, N, P+Vd]
+        q_lat = jnp.einsum("btnp,cnp->btnc", q_nope, w[..., :P])  # [B, T, N, C]
+        qa = jnp.concatenate([q_lat, q_rot.astype(q_lat.dtype)], axis=-1)  # [B, T, N, C+R]
+        ka = jnp.concatenate([c_kv, k_pe], axis=-1).astype(qa.dtype)  # [B, 1, S, C+R]
+        o_lat = attention(qa, ka, c_kv.astype(qa.dtype), mask, causal=False, scale=self.scale)  # [B, T, N, C]
+        return jnp.einsum("btnc,cnv->btnv", o_lat, w[..., P:])  # [B, T, N, Vd]
+
+    def __call__(
+        self, x: jax.Array, ctx: Context, cache: KVCache | None, layer: int, window: int | None = None
+    ) -> tuple[jax.Array, KVCache | None]:
+        B, T, _ = x.shape
+        _, q_nope, q_rot, latent, k_rot = self.project(x, ctx)
         mask = ctx.mask(window)
         if cache is None:  # expanded: per-head keys and values from the latent
-            kv = self.kv_b_proj(latent).reshape(B, T, N, P + Vd)  # [B, T, N, P+Vd]
-            k = jnp.concatenate([kv[..., :P], jnp.broadcast_to(k_rot, (B, T, N, R))], axis=-1)  # [B, T, N, P+R]
-            q = jnp.concatenate([q_nope, q_rot], axis=-1)  # [B, T, N, P+R]
-            out = attention(q, k.transpose(0, 2, 1, 3), kv[..., P:].transpose(0, 2, 1, 3), mask,
-                            causal=ctx.causal, scale=self.scale)  # [B, T, N, Vd]
-        else:  # absorbed: attend over the cached latent (one shared "kv head"), fold W_UK / W_UV around it
+            out = self.expanded(q_nope, q_rot, latent, k_rot, mask, ctx.causal)
+        else:  # absorbed: the cache holds the latent and the rope key
             cache = cache.write(layer, ctx.slots, latent[:, :, None, :], k_rot)
-            c_kv, k_pe = cache.k[layer], cache.v[layer]  # [B, 1, S, C], [B, 1, S, R]
-            w = self.kv_b_proj.weight().astype(q.dtype).reshape(C, N, P + Vd)  # [C, N, P+Vd]
-            q_lat = jnp.einsum("btnp,cnp->btnc", q_nope, w[..., :P])  # [B, T, N, C]
-            qa = jnp.concatenate([q_lat, q_rot.astype(q_lat.dtype)], axis=-1)  # [B, T, N, C+R]
-            ka = jnp.concatenate([c_kv, k_pe], axis=-1).astype(qa.dtype)  # [B, 1, S, C+R]
-            o_lat = attention(qa, ka, c_kv.astype(qa.dtype), mask, causal=False, scale=self.scale)  # [B, T, N, C]
-            out = jnp.einsum("btnc,cnv->btnv", o_lat, w[..., P:])  # [B, T, N, Vd]
-        return self.o_proj(out.reshape(B, T, N * Vd)), cache
+            out = self.absorbed(q_nope, q_rot, cache.k[layer], cache.v[layer], mask)
+        return self.o_proj(out.reshape(B, T, self.num_heads * self.v_dim)), cache
 
 
 # ------------------------------------------------------------------------------------------------
@@ -471,17 +497,21 @@ def moe_block(c: DeepseekV3Config, kw: dict[str, Any]) -> MoE:
 class DeepseekV3(DecoderLM):
     """embed -> L × (MLA + dense SwiGLU or MoE) -> RMSNorm -> LM head, then `num_mtp_layers` MTP layers."""
 
+    attention_cls: type[nnx.Module] = MLAttention  # every layer's attention block (DeepSeek-V3.2: MLA + DSA)
+
     def __init__(self, config: DeepseekV3Config, *, rngs: nnx.Rngs, dtype: Any = jnp.float32,
                  param_dtype: Any = jnp.float32):
         c = config
         D, eps = c.hidden_size, c.rms_norm_eps
 
+        attn = type(self).attention_cls
+
         def build_layers(kw: dict[str, Any]) -> list[nnx.Module]:
-            main = [DecoderLayer(MLAttention(c, **kw),
+            main = [DecoderLayer(attn(c, **kw),
                                  moe_block(c, kw) if c.is_moe_layer(i) else MLP(D, c.intermediate_size, **kw),
                                  hidden_size=D, rms_norm_eps=eps, param_dtype=param_dtype)
                     for i in range(c.num_hidden_layers)]
-            return main + [MTPLayer(MLAttention(c, **kw), moe_block(c, kw), hidden_size=D, rms_norm_eps=eps, **kw)
+            return main + [MTPLayer(attn(c, **kw), moe_block(c, kw), hidden_size=D, rms_norm_eps=eps, **kw)
                            for _ in range(c.num_mtp_layers)]
 
         super().__init__(config, build_layers, rngs=rngs, dtype=dtype, param_dtype=param_dtype)

@@ -33,6 +33,7 @@ MODULES: tuple[str, ...] = (  # in this order in ARCHITECTURES and in the "suppo
     "models.deepseek_v3",  # DeepSeek-V3, R1, V3.1 and Kimi K2
     "models.gpt_oss",
     "models.glm4_moe",
+    "models.deepseek_v32",  # DeepSeek-V3.2 (DSA)
 )
 RECORD = "REGISTRY"  # the name of a family module's registration record
 

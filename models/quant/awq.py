@@ -26,6 +26,7 @@ from models.layers import Linear, RMSNorm
 from models.moe import Experts
 from models.quant import quantizers as Q
 from models.quant.calibration import ExpertStats, Stats
+from models.quant.rotation import refuse_indexer
 from models.quant.schemes import IntArgs, Options, Scheme
 from models.quant.targets import Unit, _module
 
@@ -94,6 +95,7 @@ def attention_folds(layer: nnx.Module, pre: str) -> list[tuple[str, RMSNorm, lis
     decoder layer `pre`: input_layernorm before q/k/v (GQA) or MLA's first projections, and MLA's q_a / kv_a
     norms before q_b / kv_b. Shared by AWQ and SmoothQuant (models/quant/smoothquant.py)."""
     attn = layer.self_attn
+    refuse_indexer(attn, "AWQ / SmoothQuant")
     sa = f"{pre}.self_attn"
     if hasattr(attn, "q_proj") and hasattr(attn, "k_proj"):  # GQA families
         return [(f"{pre}.input_layernorm", layer.input_layernorm,

@@ -131,7 +131,8 @@ def tiny_configs() -> dict[str, transformers.PretrainedConfig]:
     """One tiny transformers config per registered architecture (MoE families with 8 experts, k 2), with
     the family's hard paths on: DeepSeek group-limited routing, YaRN with mscale and a q LoRA; GPT-OSS
     sliding window 8 and its default YaRN; GLM q/k/v bias, QK-norm and partial rotary; Qwen3 head_dim
-    != hidden / heads. Used by test_families_io.py and benchmarks/parity.py."""
+    != hidden / heads; DeepSeek-V3.2's indexer keeping 8 keys (fewer than the tests'
+    lengths). Used by test_families_io.py and benchmarks/parity.py."""
     moe = dict(moe_intermediate_size=32, num_experts_per_tok=2)
     return {
         "LlamaForCausalLM": transformers.LlamaConfig(**BASE, intermediate_size=96, num_key_value_heads=2),
@@ -151,6 +152,10 @@ def tiny_configs() -> dict[str, transformers.PretrainedConfig]:
             **BASE, **moe, intermediate_size=96, num_key_value_heads=2, head_dim=32, n_routed_experts=8,
             n_shared_experts=1, n_group=2, topk_group=1, first_k_dense_replace=1, attention_bias=True,
             use_qk_norm=True),
+        "DeepseekV32ForCausalLM": transformers.DeepseekV32Config(
+            **BASE, **moe, intermediate_size=96, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16,
+            qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, n_shared_experts=1,
+            n_group=2, topk_group=1, first_k_dense_replace=1, index_topk=8, index_head_dim=16, index_n_heads=8),
     }
 
 

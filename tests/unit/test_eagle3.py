@@ -18,6 +18,7 @@ import safetensors.numpy
 from flax import nnx
 
 from models.deepseek_v3 import DeepseekV3Config
+from models.deepseek_v32 import DeepseekV32Config
 from models.eagle3 import (
     Eagle3Config,
     Eagle3Draft,
@@ -468,6 +469,7 @@ FAMILIES = {
     "deepseek_v3": (DeepseekV3Config.tiny(V), 160),
     "gpt_oss": (GptOssConfig.tiny(V), 2 * 64),  # every layer MoE: top_k × per-expert width
     "glm4_moe": (Glm4MoeConfig.tiny(V), 96),
+    "deepseek_v32": (DeepseekV32Config.tiny(V), 160),
 }
 
 
@@ -479,7 +481,7 @@ def test_for_target_every_family(family):
     assert cfg.vocab_size == V and cfg.draft_vocab_size == 32 and cfg.intermediate_size == ffn
     assert cfg.aux_layer_ids == default_aux_layer_ids(t.num_hidden_layers)
     assert cfg.num_attention_heads == t.num_attention_heads
-    if family == "deepseek_v3":  # MLA -> plain MHA with H = D / N
+    if family in ("deepseek_v3", "deepseek_v32"):  # MLA -> plain MHA with H = D / N
         assert cfg.num_key_value_heads == t.num_attention_heads and cfg.head_dim == t.hidden_size // 4
     else:
         assert (cfg.num_key_value_heads, cfg.head_dim) == (t.num_key_value_heads, t.head_dim)
