@@ -3,10 +3,10 @@
 A config.json is user input: a size that is negative, zero, fractional, a string or a boolean must be refused
 with the file and the key, not reach `nnx.eval_shape` (where JAX fails on the shape with a traceback) or a
 silent mis-build. The names are transformers' own (`LlamaConfig`, `Qwen3MoeConfig`, `DeepseekV3Config`,
-`GptOssConfig`, `Glm4MoeConfig`, `DeepseekV32Config`), which our family configs keep; a key a family does not
-use is still checked when present, so a wrong value never waits for the family that reads it. `check_sizes` runs
-twice in a load: on config.json's dict (what the user wrote) and on the family config built from it (what was
-derived, e.g. `head_dim = hidden_size // num_attention_heads`).
+`GptOssConfig`, `Glm4MoeConfig`, `DeepseekV32Config`, `GlmMoeDsaConfig`), which our family configs keep; a key a
+family does not use is still checked when present, so a wrong value never waits for the family that reads it.
+`check_sizes` runs twice in a load: on config.json's dict (what the user wrote) and on the family config built from
+it (what was derived, e.g. `head_dim = hidden_size // num_attention_heads`).
 """
 
 from __future__ import annotations

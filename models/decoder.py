@@ -63,6 +63,7 @@ class Context:
     causal: bool  # True without a cache: the keys are this call's own queries
     masks: dict[int | None, jax.Array]  # window (None = full attention) -> [B, T, S] bool
     rope: Any = None  # family-specific rotary tables, e.g. (cos, sin)
+    carry: dict[str, jax.Array] = dataclasses.field(default_factory=dict)  # passed from layer to later layers
 
     def mask(self, window: int | None = None) -> jax.Array:
         return self.masks[window]
@@ -390,10 +391,13 @@ class DecoderLM(nnx.Module):
         policy = REMAT_POLICIES[getattr(self, "remat", "none")]
         for i in range(L):
             if policy is not None and cache is None:
-                # Recompute the layer in the backward pass instead of keeping its activations.
-                layer_fn = nnx.remat(lambda layer, h, i=i: layer(h, ctx, None, i)[0], policy=policy[0],
-                                     prevent_cse=True)
-                x = layer_fn(self.layers[i], x)
+                # Recompute the layer in the backward pass instead of keeping its activations; what it passes
+                # on to later layers (ctx.carry, GLM-5's shared top-k) leaves the remat as an output.
+                def run(layer: nnx.Module, h: jax.Array, carry: dict, i: int = i) -> tuple[jax.Array, dict]:
+                    inner = dataclasses.replace(ctx, carry=dict(carry))
+                    return layer(h, inner, None, i)[0], inner.carry
+
+                x, ctx.carry = nnx.remat(run, policy=policy[0], prevent_cse=True)(self.layers[i], x, ctx.carry)
             else:
                 x, cache = self.layers[i](x, ctx, cache, i)
             x = self.constrain(x)

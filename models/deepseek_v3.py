@@ -504,17 +504,23 @@ class DeepseekV3(DecoderLM):
         c = config
         D, eps = c.hidden_size, c.rms_norm_eps
 
-        attn = type(self).attention_cls
+        attn, L = type(self).attention_block, c.num_hidden_layers
 
         def build_layers(kw: dict[str, Any]) -> list[nnx.Module]:
-            main = [DecoderLayer(attn(c, **kw),
+            main = [DecoderLayer(attn(c, i, kw),
                                  moe_block(c, kw) if c.is_moe_layer(i) else MLP(D, c.intermediate_size, **kw),
                                  hidden_size=D, rms_norm_eps=eps, param_dtype=param_dtype)
-                    for i in range(c.num_hidden_layers)]
-            return main + [MTPLayer(attn(c, **kw), moe_block(c, kw), hidden_size=D, rms_norm_eps=eps, **kw)
-                           for _ in range(c.num_mtp_layers)]
+                    for i in range(L)]
+            return main + [MTPLayer(attn(c, L + m, kw), moe_block(c, kw), hidden_size=D, rms_norm_eps=eps, **kw)
+                           for m in range(c.num_mtp_layers)]
 
         super().__init__(config, build_layers, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+
+    @classmethod
+    def attention_block(cls, config: DeepseekV3Config, layer: int, kw: dict[str, Any]) -> nnx.Module:
+        """Layer `layer`'s attention block (MTP layers from num_hidden_layers on): `attention_cls` for every
+        layer here; GLM-5 picks a full or a shared DSA block per layer."""
+        return cls.attention_cls(config, **kw)
 
     def rope(self, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
         """cos, sin [B, T, R] for the rope slice of q and k, × the YaRN attention factor (1 when mscale ==

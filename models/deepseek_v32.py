@@ -71,6 +71,7 @@ class DeepseekV32Config(DeepseekV3Config):
     index_n_heads: int = 64  # H
     mlp_layer_types: tuple[str, ...] | None = None
     model_types: ClassVar[tuple[str, ...]] = MODEL_TYPES
+    architecture: ClassVar[str] = ARCHITECTURE  # the HF architecture from_hf / to_hf read and write (GLM-5: its own)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -139,16 +140,16 @@ class DeepseekV32Config(DeepseekV3Config):
         or the Hub's (`rope_theta` + `rope_scaling` {type: yarn}, `torch_dtype`, `topk_method` / `scoring_func`,
         `num_nextn_predict_layers`); `num_experts` / `num_local_experts` are read as `n_routed_experts`, as
         transformers does."""
-        archs = d.get("architectures") or [ARCHITECTURE]
-        if ARCHITECTURE not in archs:
-            raise ValueError(f"config.json: architectures {archs} is not {ARCHITECTURE}")
-        model_type = d.get("model_type") or MODEL_TYPES[0]
-        if model_type not in MODEL_TYPES:
-            raise ValueError(f"config.json: model_type {model_type!r} (supported: {', '.join(MODEL_TYPES)})")
+        archs = d.get("architectures") or [cls.architecture]
+        if cls.architecture not in archs:
+            raise ValueError(f"config.json: architectures {archs} is not {cls.architecture}")
+        model_type = d.get("model_type") or cls.model_types[0]
+        if model_type not in cls.model_types:
+            raise ValueError(f"config.json: model_type {model_type!r} (supported: {', '.join(cls.model_types)})")
         if d.get("rope_interleave") is False:
-            raise NotImplementedError("config.json: rope_interleave false (DeepSeek-V3.2 interleaves MLA's RoPE)")
+            raise NotImplementedError("config.json: rope_interleave false (DSA models interleave MLA's RoPE)")
         if d.get("q_lora_rank", cls.q_lora_rank) is None:
-            raise ValueError("config.json: q_lora_rank null (DeepSeek-V3.2's indexer reads the q LoRA latent)")
+            raise ValueError("config.json: q_lora_rank null (the DSA indexer reads the q LoRA latent)")
         if d.get("num_experts") is not None and not d.get("n_routed_experts"):
             d = {**d, "n_routed_experts": d["num_experts"]}
         types = d.get("mlp_layer_types")
@@ -165,7 +166,7 @@ class DeepseekV32Config(DeepseekV3Config):
         for key in ("rope_interleave", "pretraining_tp"):
             out.pop(key)
         n = self.num_hidden_layers
-        return {**out, "architectures": [ARCHITECTURE], "model_type": self.model_type,
+        return {**out, "architectures": [self.architecture], "model_type": self.model_type,
                 "index_topk": self.index_topk, "index_head_dim": self.index_head_dim,
                 "index_n_heads": self.index_n_heads,
                 "mlp_layer_types": ["sparse" if self.is_moe_layer(i) else "dense" for i in range(n)]}
@@ -216,11 +217,15 @@ class Indexer(nnx.Module):
         B, T, _ = x.shape
         H, DI = self.n_heads, self.head_dim
         cos, sin = ctx.rope  # [B, T, R]
-        q = apply_rope(self.wq_b(q_latent).reshape(B, T, H, DI), cos, sin)  # [B, T, H, DI]
-        k = apply_rope(self.k_norm(self.wk(x))[:, :, None, :], cos, sin)[:, :, 0]  # [B, T, DI]
+        q = self.rotate(self.wq_b(q_latent).reshape(B, T, H, DI), cos, sin)  # [B, T, H, DI]
+        k = self.rotate(self.k_norm(self.wk(x))[:, :, None, :], cos, sin)[:, :, 0]  # [B, T, DI]
         w = self.weights_proj.weight().astype(jnp.float32)  # [D, H]: transformers keeps weights_proj in fp32
         weights = jnp.einsum("btd,dh->bth", x.astype(jnp.float32), w) * H**-0.5  # [B, T, H]
         return q, weights, k
+
+    def rotate(self, x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+        """x [B, T, N, DI] with its first R dims rotated in NeoX halves (V3.2; GLM-5 rotates interleaved pairs)."""
+        return apply_rope(x, cos, sin)
 
     def select(self, q: jax.Array, weights: jax.Array, k: jax.Array, mask: jax.Array) -> jax.Array:
         """q [B, T, H, DI], weights [B, T, H], keys k [B, S, DI], mask [B, T, S] (True = visible) -> mask [B, T, S]
@@ -241,11 +246,27 @@ class Indexer(nnx.Module):
 
 class DSAttention(MLAttention):
     """DeepSeek-V3's MLA with the indexer's selection folded into its mask (transformers `DeepseekV32Attention`).
-    With a cache, `cache.v` holds [rope key (R) | indexer key (DI)] per token."""
+    With a cache, `cache.v` holds [rope key (R) | indexer key (DI)] per token. `index` and `restrict` are the
+    selection's two steps (GLM-5's shared layers replace them)."""
 
-    def __init__(self, config: DeepseekV32Config, *, rngs: nnx.Rngs, dtype: Any, param_dtype: Any):
+    dsa: ClassVar[bool] = True  # a DSA block: models/quant/rotation.py refuses the folds that miss the indexer
+    indexer_cls: ClassVar[type[Indexer]] = Indexer
+
+    def __init__(self, config: DeepseekV32Config, *, rngs: nnx.Rngs, dtype: Any, param_dtype: Any,
+                 with_indexer: bool = True):
         super().__init__(config, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
-        self.indexer = Indexer(config, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.index_dim = config.index_head_dim
+        if with_indexer:
+            self.indexer = self.indexer_cls(config, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+
+    def index(self, x: jax.Array, q_latent: jax.Array, ctx: Context) -> tuple[Any, jax.Array]:
+        """x [B, T, D], q_latent [B, T, Q] -> (the indexer's (queries, head weights)), its keys [B, T, DI])."""
+        q, w, k = self.indexer.project(x, q_latent, ctx)
+        return (q, w), k
+
+    def restrict(self, query: Any, keys: jax.Array, mask: jax.Array, ctx: Context) -> jax.Array:
+        """mask [B, T, S] restricted to each query's top-k keys among `keys` [B, S, DI] (see Indexer.select)."""
+        return self.indexer.select(*query, keys, mask)
 
     def __call__(
         self, x: jax.Array, ctx: Context, cache: KVCache | None, layer: int, window: int | None = None
@@ -253,16 +274,16 @@ class DSAttention(MLAttention):
         B, T, _ = x.shape
         R = self.rope_dim
         q_latent, q_nope, q_rot, latent, k_rot = self.project(x, ctx)
-        index_q, index_w, index_k = self.indexer.project(x, q_latent, ctx)
+        query, index_k = self.index(x, q_latent, ctx)  # index_k [B, T, DI]
         mask = ctx.mask(window)  # [B, T, S]
         if cache is None:
-            mask = self.indexer.select(index_q, index_w, index_k, mask)
+            mask = self.restrict(query, index_k, mask, ctx)
             out = self.expanded(q_nope, q_rot, latent, k_rot, mask, ctx.causal)
         else:
             keys = jnp.concatenate([k_rot, index_k[:, :, None, :].astype(k_rot.dtype)], axis=-1)  # [B, T, 1, R+DI]
             cache = cache.write(layer, ctx.slots, latent[:, :, None, :], keys)
             cached = cache.v[layer]  # [B, 1, S, R+DI]
-            mask = self.indexer.select(index_q, index_w, cached[:, 0, :, R:], mask)
+            mask = self.restrict(query, cached[:, 0, :, R:], mask, ctx)
             out = self.absorbed(q_nope, q_rot, cache.k[layer], cached[..., :R], mask)
         return self.o_proj(out.reshape(B, T, self.num_heads * self.v_dim)), cache
 

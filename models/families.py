@@ -34,6 +34,7 @@ MODULES: tuple[str, ...] = (  # in this order in ARCHITECTURES and in the "suppo
     "models.gpt_oss",
     "models.glm4_moe",
     "models.deepseek_v32",  # DeepSeek-V3.2 (DSA)
+    "models.glm_moe_dsa",  # GLM-5 (DSA with cross-layer top-k sharing)
 )
 RECORD = "REGISTRY"  # the name of a family module's registration record
 

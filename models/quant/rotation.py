@@ -120,11 +120,12 @@ def attention_readers(attn: nnx.Module) -> list[Linear]:
 
 
 def refuse_indexer(attn: nnx.Module, what: str) -> None:
-    """DeepSeek-V3.2's DSA indexer also reads the normed input (wk, weights_proj) and the q latent (wq_b); the
-    folds here do not cover it yet, and leaving it out would change the model silently."""
-    if getattr(attn, "indexer", None) is not None:
-        raise NotImplementedError(f"{what}: the attention's DSA indexer (DeepSeek-V3.2) reads the normed input and "
-                                  "the q latent, which this transform does not fold yet")
+    """DeepSeek-V3.2's and GLM-5's DSA indexer also reads the normed input (wk, weights_proj) and the q latent
+    (wq_b); the folds here do not cover it yet, and leaving it out would change the model silently. GLM-5's
+    shared layers hold no indexer but attend to a full layer's selection (`dsa` marks every DSA block)."""
+    if getattr(attn, "indexer", None) is not None or getattr(attn, "dsa", False):
+        raise NotImplementedError(f"{what}: the attention's DSA indexer (DeepSeek-V3.2, GLM-5) reads the normed "
+                                  "input and the q latent, which this transform does not fold yet")
 
 
 def mlp_parts(mlp: nnx.Module) -> tuple[list[Any], list[Any]]:

@@ -156,6 +156,11 @@ def tiny_configs() -> dict[str, transformers.PretrainedConfig]:
             **BASE, **moe, intermediate_size=96, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16,
             qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, n_shared_experts=1,
             n_group=2, topk_group=1, first_k_dense_replace=1, index_topk=8, index_head_dim=16, index_n_heads=8),
+        "GlmMoeDsaForCausalLM": transformers.GlmMoeDsaConfig(
+            **BASE, **moe, intermediate_size=96, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16,
+            qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, n_shared_experts=1,
+            n_group=2, topk_group=1, first_k_dense_replace=1, index_topk=8, index_head_dim=16, index_n_heads=8,
+            index_topk_pattern="F" + "S" * (BASE["num_hidden_layers"] - 1)),
     }
 
 

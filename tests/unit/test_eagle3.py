@@ -30,6 +30,7 @@ from models.eagle3 import (
     ttt_loss,
 )
 from models.glm4_moe import Glm4MoeConfig
+from models.glm_moe_dsa import GlmMoeDsaConfig
 from models.gpt_oss import GptOssConfig
 from models.layers import Buffer, attention
 from models.llama import Llama, LlamaConfig
@@ -470,6 +471,7 @@ FAMILIES = {
     "gpt_oss": (GptOssConfig.tiny(V), 2 * 64),  # every layer MoE: top_k × per-expert width
     "glm4_moe": (Glm4MoeConfig.tiny(V), 96),
     "deepseek_v32": (DeepseekV32Config.tiny(V), 160),
+    "glm_moe_dsa": (GlmMoeDsaConfig.tiny(V), 160),
 }
 
 
@@ -481,7 +483,7 @@ def test_for_target_every_family(family):
     assert cfg.vocab_size == V and cfg.draft_vocab_size == 32 and cfg.intermediate_size == ffn
     assert cfg.aux_layer_ids == default_aux_layer_ids(t.num_hidden_layers)
     assert cfg.num_attention_heads == t.num_attention_heads
-    if family in ("deepseek_v3", "deepseek_v32"):  # MLA -> plain MHA with H = D / N
+    if family in ("deepseek_v3", "deepseek_v32", "glm_moe_dsa"):  # MLA -> plain MHA with H = D / N
         assert cfg.num_key_value_heads == t.num_attention_heads and cfg.head_dim == t.hidden_size // 4
     else:
         assert (cfg.num_key_value_heads, cfg.head_dim) == (t.num_key_value_heads, t.head_dim)
