@@ -329,6 +329,13 @@ def unweighted_rms(x: jax.Array, eps: float) -> jax.Array:
     return x * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps).astype(x.dtype)
 
 
+def fp32_norm(features: int, eps: float, axis_name: str = "norm") -> RMSNorm:
+    """An RMSNorm transformers keeps in fp32 (weight, multiply and file dtype), whatever the model's dtype."""
+    norm = RMSNorm(features, eps=eps, axis_name=axis_name, param_dtype=jnp.float32, weight_in_fp32=True)
+    norm.keep_fp32 = True
+    return norm
+
+
 def hyper_weights(streams: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array, *, iters: int, eps: float,
                   norm_eps: float) -> tuple[jax.Array, jax.Array, jax.Array]:
     """mHC (transformers `DeepseekV4HyperConnection`): streams [B, T, n, D] -> (post [B, T, n], comb [B, T, n, n],
@@ -367,8 +374,7 @@ class Compressor(nnx.Module):
         self.wkv = Linear(c.hidden_size, width, axes=("embed", "head_dim"), **kw)
         self.wgate = Linear(c.hidden_size, width, axes=("embed", "head_dim"), **kw)
         self.ape = param(jnp.zeros((rate, width), jnp.float32), (None, "head_dim"))  # transformers keeps it fp32
-        self.norm = RMSNorm(dim, eps=c.rms_norm_eps, axis_name="head_dim", param_dtype=param_dtype,
-                            weight_in_fp32=True)
+        self.norm = fp32_norm(dim, c.rms_norm_eps, "head_dim")
         self.hf_raw = ("ape",)
         self.keep_fp32 = True
 
@@ -439,12 +445,11 @@ class V4Attention(nnx.Module):
         self.kind, self.rate = c.layer_types[layer], c.compress_rate(layer)
         self.num_heads, self.head_dim, self.groups, self.eps = N, Hd, G, c.rms_norm_eps
         kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
-        norm = dict(eps=c.rms_norm_eps, param_dtype=param_dtype, weight_in_fp32=True)
         self.wq_a = Linear(D, Q, axes=("embed", "q_lora"), **kw)
-        self.q_norm = RMSNorm(Q, axis_name="q_lora", **norm)
+        self.q_norm = fp32_norm(Q, c.rms_norm_eps, "q_lora")
         self.wq_b = Linear(Q, N * Hd, axes=("q_lora", "heads"), **kw)
         self.wkv = Linear(D, Hd, axes=("embed", "head_dim"), **kw)
-        self.norm = RMSNorm(Hd, axis_name="head_dim", **norm)
+        self.norm = fp32_norm(Hd, c.rms_norm_eps, "head_dim")
         self.wo_a = Linear(N * Hd // G, G * O, axes=("heads", "q_lora"), **kw)  # G blocks [N·Hd/G -> O]
         self.wo_b = Linear(G * O, D, axes=("q_lora", "embed"), **kw)
         self.attn_sink = param(jnp.zeros((N,), jnp.float32), ("heads",))
@@ -529,6 +534,7 @@ class HashRouter(Router):
         self.e_score_correction_bias = nnx.data(None)
         self.tid2eid = param(jnp.zeros((c.vocab_size, c.num_experts_per_tok), jnp.int32), ("vocab", None), Buffer)
         self.hf_raw = ("weight", "tid2eid")
+        self.hf_int64 = ("tid2eid",)  # int64 on disk, as transformers writes it
 
     def __call__(self, x: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """x [T, D], token ids [T] -> (weights [T, k], experts [T, k], logits [T, E])."""
@@ -575,12 +581,11 @@ class V4Layer(nnx.Module):
         c = config
         n, D = c.hc_mult, c.hidden_size
         kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
-        norm = dict(eps=c.rms_norm_eps, param_dtype=param_dtype, weight_in_fp32=True)
         self.config, self.window = config, c.layer_window(layer)
         self.hashed = c.mlp_layer_types[layer] == "hash_moe"  # its router reads the token ids
-        self.attn_norm = RMSNorm(D, **norm)
+        self.attn_norm = fp32_norm(D, c.rms_norm_eps)
         self.attn = V4Attention(c, layer, **kw)
-        self.ffn_norm = RMSNorm(D, **norm)
+        self.ffn_norm = fp32_norm(D, c.rms_norm_eps)
         self.ffn = v4_moe(c, layer, **kw)
         init = nnx.initializers.normal(0.02)
         for part in ("attn", "ffn"):  # fp32 in memory and on disk, as transformers keeps them
@@ -633,6 +638,7 @@ class DeepseekV4(DecoderLM):
                  param_dtype: Any = jnp.float32):
         super().__init__(config, lambda kw: [V4Layer(config, i, **kw) for i in range(config.num_hidden_layers)],
                          rngs=rngs, dtype=dtype, param_dtype=param_dtype, norm_weight_in_fp32=True)
+        self.norm.keep_fp32 = True
         self.hc_head = HyperHead(config, rngs=rngs)
         self.head = nnx.data(self.lm_head)  # transformers writes the LM head as top-level `head.weight`
         self.lm_head = nnx.data(None)
