@@ -164,3 +164,16 @@ def test_config_spellings_and_refusals(ckpt, tmp_path):
     flash = DeepseekV4Config.deepseek_v4_flash()
     assert flash.layer_types[:3] == (HCA, HCA, HCA) and flash.layer_types[3] == CSA
     assert transformers.DeepseekV4Config(**flash.to_hf()).rope_parameters["compress"]["factor"] == 16.0
+
+
+def test_quantization_refuses_the_family(ckpt):
+    """No fold, calibration or export path has been checked on V4's clamped experts, compressed attention and
+    streams: every scheme refuses the model by name instead of writing something transformers would not load."""
+    from models import quant
+
+    model = from_pretrained(str(ckpt[1]))
+    ids = IDS[:1, :16]
+    for scheme, opts in (("w4a16-awq-g16", {}), ("int8", {"rotate": "hadamard"})):
+        with pytest.raises(ValueError, match="DeepSeek-V4 .* not supported by quantization"):
+            quant.quantize_model(model, quant.parse_scheme(scheme), [(ids, np.ones_like(ids))],
+                                 opts=quant.Options(**opts))
