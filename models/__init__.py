@@ -2,7 +2,8 @@
 
 Families (one file each, registered by HF `architectures` in families.py): llama.py (Llama), qwen3.py
 (Qwen3 dense), qwen3_moe.py, deepseek_v3.py (DeepSeek-V3/R1, Kimi K2), gpt_oss.py, glm4_moe.py
-(GLM-4.5 / Air), deepseek_v32.py (DeepSeek-V3.2, DSA), glm_moe_dsa.py (GLM-5); shared pieces in layers.py,
+(GLM-4.5 / Air), deepseek_v32.py (DeepSeek-V3.2, DSA), glm_moe_dsa.py (GLM-5), deepseek_v4.py (DeepSeek-V4);
+shared pieces in layers.py,
 decoder.py (masks, GQA, MTP, the causal-LM forward) and moe.py (routers, grouped expert dispatch).
 
     from models import from_pretrained, save_pretrained, generate

@@ -64,6 +64,7 @@ class Context:
     masks: dict[int | None, jax.Array]  # window (None = full attention) -> [B, T, S] bool
     rope: Any = None  # family-specific rotary tables, e.g. (cos, sin)
     carry: dict[str, jax.Array] = dataclasses.field(default_factory=dict)  # passed from layer to later layers
+    input_ids: jax.Array | None = None  # [B, T] this call's tokens (DeepSeek-V4's hash routers read them)
 
     def mask(self, window: int | None = None) -> jax.Array:
         return self.masks[window]
@@ -314,6 +315,14 @@ class DecoderLM(nnx.Module):
         fn = getattr(self.config, "layer_window", None)
         return fn(i) if fn is not None else None
 
+    def streams_in(self, x: jax.Array) -> jax.Array:
+        """The embeddings [B, T, D] -> the residual the layers carry (DeepSeek-V4: several streams)."""
+        return x
+
+    def streams_out(self, x: jax.Array) -> jax.Array:
+        """The last layer's residual -> [B, T, D] for the final norm (DeepSeek-V4 mixes its streams)."""
+        return x
+
     def lm_logits(self, x: jax.Array) -> jax.Array:
         """Normed hidden [B, T, D] -> logits [B, T, V]."""
         return self.embed_tokens.attend(x) if self.lm_head is None else self.lm_head(x)
@@ -386,7 +395,8 @@ class DecoderLM(nnx.Module):
         ctx, cache = build_context(T, B, positions=positions, segment_ids=segment_ids, cache=cache,
                                    windows=windows, tree_mask=tree_mask)
         ctx.rope = self.rope(ctx.positions)
-        x = self.constrain(self.embed_tokens(input_ids))  # [B, T, D]
+        ctx.input_ids = input_ids
+        x = self.constrain(self.streams_in(self.embed_tokens(input_ids)))  # [B, T, D] (or streams)
         hidden: dict[int, jax.Array] = {}
         policy = REMAT_POLICIES[getattr(self, "remat", "none")]
         for i in range(L):
@@ -403,7 +413,7 @@ class DecoderLM(nnx.Module):
             x = self.constrain(x)
             if i in wanted:
                 hidden[i] = x
-        x = self.norm(x)
+        x = self.norm(self.streams_out(x))
         hidden[L] = x
         logits = self.constrain(self.lm_logits(x))  # [B, T, V]
 

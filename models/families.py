@@ -35,6 +35,7 @@ MODULES: tuple[str, ...] = (  # in this order in ARCHITECTURES and in the "suppo
     "models.glm4_moe",
     "models.deepseek_v32",  # DeepSeek-V3.2 (DSA)
     "models.glm_moe_dsa",  # GLM-5 (DSA with cross-layer top-k sharing)
+    "models.deepseek_v4",  # DeepSeek-V4 (CSA / HCA compressed attention, mHC, hash routing)
 )
 RECORD = "REGISTRY"  # the name of a family module's registration record
 

@@ -136,13 +136,15 @@ def hf_tensors(
                 emit(f"{name}.weight", lambda _m=mod: _on_devices(_linear_weight_t, _m))  # [out, in]
                 if mod.bias is not None:
                     emit(f"{name}.bias", lambda _m=mod: _m.bias[...])
-        elif isinstance(mod, (Embed, RMSNorm)):
-            emit(f"{name}.weight", lambda _m=mod: _m.weight[...])
+        elif isinstance(mod, (Embed, RMSNorm)):  # norms transformers keeps in fp32 (DeepSeek-V4) set keep_fp32
+            emit(f"{name}.weight", lambda _m=mod: _m.weight[...], keep_dtype=getattr(mod, "keep_fp32", False))
+        int64 = getattr(mod, "hf_int64", ())  # integer tables stored as int64 on disk (JAX holds them as int32)
         for attr in getattr(mod, "hf_raw", ()):
             var = getattr(mod, attr)
             if var is not None:
                 emit(f"{name}.{attr}", lambda _v=var: _v[...],  # scales (FP8 KV cache) stay float32
-                     keep_dtype=isinstance(var, Buffer | QuantScale) or getattr(mod, "keep_fp32", False))
+                     keep_dtype=isinstance(var, Buffer | QuantScale) or getattr(mod, "keep_fp32", False),
+                     abstract=jax.ShapeDtypeStruct(var.get_value().shape, np.int64) if attr in int64 else None)
     extra = getattr(model, "hf_extra_export", None)
     if extra is not None:
         shapes = jax.eval_shape(extra)
@@ -555,7 +557,9 @@ def save_pretrained(
             for name in names:  # every process: the tensor's computation and gather are collectives
                 gathered = _gather(compute[name]())
                 if writer is not None:
-                    writer.write_parts(name, shapes[name].shape, shapes[name].dtype, _host_parts(gathered))
+                    want = np.dtype(shapes[name].dtype)  # a planned int64 (hf_int64) is cast on the host
+                    parts = (p if p.dtype == want else p.astype(want) for p in _host_parts(gathered))
+                    writer.write_parts(name, shapes[name].shape, want, parts)
                 del gathered
             if writer is not None:
                 writer.close()

@@ -36,8 +36,9 @@ def param(value: jax.Array, axes: Axes, cls: type[nnx.Variable] = nnx.Param) -> 
 
 
 def hf_name(path: tuple) -> str:
-    """HF module name of an nnx path: ("layers", 0, "mlp") -> "model.layers.0.mlp"; lm_head is top-level."""
-    return ("" if path[:1] == ("lm_head",) else "model.") + ".".join(str(p) for p in path)
+    """HF module name of an nnx path: ("layers", 0, "mlp") -> "model.layers.0.mlp"; the LM head is top-level
+    (`lm_head`, DeepSeek-V4's `head`)."""
+    return ("" if path[:1] in (("lm_head",), ("head",)) else "model.") + ".".join(str(p) for p in path)
 
 
 class QuantWeight(nnx.Variable):

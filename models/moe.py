@@ -42,7 +42,8 @@ from models.numerics import quantize_activation
 # Routers
 # ------------------------------------------------------------------------------------------------
 
-SCORINGS = ("softmax", "softmax_topk", "sigmoid")
+SCORINGS = ("softmax", "softmax_topk", "sigmoid", "sqrtsoftplus")
+BIASED_SCORES = {"sigmoid": jax.nn.sigmoid, "sqrtsoftplus": lambda x: jnp.sqrt(jax.nn.softplus(x))}
 
 
 class Router(nnx.Module):
@@ -54,6 +55,8 @@ class Router(nnx.Module):
       "sigmoid"       DeepSeek-V3 / Kimi K2 / GLM-4.5: fp32 logits, sigmoid, + e_score_correction_bias
                       to choose (group-limited), weights from the unbiased sigmoid, renormalised,
                       × routed_scaling_factor.
+      "sqrtsoftplus"  DeepSeek-V4: as "sigmoid" with sqrt(softplus(logits)) scores (router weight in the
+                      parameter dtype, the math in fp32).
     HF tensors: `<prefix>.weight` [E, D] and `<prefix>.bias` or `<prefix>.e_score_correction_bias` [E].
     """
 
@@ -73,21 +76,22 @@ class Router(nnx.Module):
         self.routed_scaling_factor = routed_scaling_factor
         self.dtype = dtype
         sigmoid = scoring == "sigmoid"
+        biased = scoring in BIASED_SCORES
         self.keep_fp32 = sigmoid  # DeepSeek / GLM keep the router in fp32, in memory and on disk
         wdtype = jnp.float32 if sigmoid else param_dtype
         init = nnx.initializers.normal(INIT_STD)
         self.weight = param(init(rngs.params(), (num_experts, hidden_size), wdtype), (None, "embed"))
         self.bias = nnx.data(param(jnp.zeros((num_experts,), param_dtype), (None,)) if use_bias else None)
         self.e_score_correction_bias = nnx.data(
-            param(jnp.zeros((num_experts,), jnp.float32), (None,), Buffer) if sigmoid else None)
-        self.hf_raw = ("weight", "e_score_correction_bias") if sigmoid else ("weight", "bias") if use_bias \
+            param(jnp.zeros((num_experts,), jnp.float32), (None,), Buffer) if biased else None)
+        self.hf_raw = ("weight", "e_score_correction_bias") if biased else ("weight", "bias") if use_bias \
             else ("weight",)
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         k = self.top_k
-        if self.scoring == "sigmoid":
+        if self.scoring in BIASED_SCORES:
             logits = x.astype(jnp.float32) @ self.weight[...].astype(jnp.float32).T  # [T, E] fp32
-            scores = jax.nn.sigmoid(logits)
+            scores = BIASED_SCORES[self.scoring](logits)
             choice = scores + self.e_score_correction_bias[...]
             if self.n_group > 1:
                 T, E, G = x.shape[0], self.num_experts, self.n_group
@@ -206,7 +210,7 @@ block_gemm.defvjp(_block_gemm_fwd, _block_gemm_bwd)
 # Experts
 # ------------------------------------------------------------------------------------------------
 
-ACTIVATIONS = ("silu", "gpt_oss")
+ACTIVATIONS = ("silu", "gpt_oss", "silu_clamped")
 HF_LAYOUTS = ("per_expert", "gpt_oss")
 IMPLS = ("blocked", "ragged", "dense")
 # "blocked" is measured to scale with top-k on XLA:CPU (benchmarks/moe.py) and stays the default on every
@@ -262,7 +266,8 @@ class Experts(nnx.Module):
     [E, I, D], optional biases gate_up_bias [E, 2I] and down_bias [E, D].
 
     activation "silu": silu(gate) · up. "gpt_oss": gate ≤ limit, −limit ≤ up ≤ limit,
-    (up + 1) · gate · sigmoid(alpha · gate).
+    (up + 1) · gate · sigmoid(alpha · gate). "silu_clamped" (DeepSeek-V4): silu(min(gate, limit)) ·
+    clip(up, ±limit). `hf_names` renames the per-expert gate / up / down tensors (DeepSeek-V4: w1, w3, w2).
     HF layout "per_expert" (Qwen3-MoE, DeepSeek, GLM on disk): `<prefix>.{e}.gate_proj.weight` [I, D],
     `up_proj` [I, D], `down_proj` [D, I]. "gpt_oss": `<prefix>.gate_up_proj` [E, D, 2I] with gate/up
     interleaved (even/odd columns), `gate_up_proj_bias` [E, 2I], `down_proj` [E, I, D], `down_proj_bias` [E, D].
@@ -285,13 +290,15 @@ class Experts(nnx.Module):
     def __init__(
         self, num_experts: int, hidden_size: int, intermediate_size: int, *, activation: str = "silu",
         use_bias: bool = False, hf_layout: str = "per_expert", alpha: float = 1.702, limit: float = 7.0,
-        impl: str | None = None, rngs: nnx.Rngs, dtype: Any = jnp.float32, param_dtype: Any = jnp.float32,
+        impl: str | None = None, hf_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
+        rngs: nnx.Rngs, dtype: Any = jnp.float32, param_dtype: Any = jnp.float32,
     ):
         if activation not in ACTIVATIONS or hf_layout not in HF_LAYOUTS:
             raise ValueError(f"experts: activation {activation!r} / hf_layout {hf_layout!r}")
         E, D, I = num_experts, hidden_size, intermediate_size
         self.num_experts, self.hidden_size, self.intermediate_size = E, D, I
         self.activation, self.hf_layout, self.alpha, self.limit = activation, hf_layout, alpha, limit
+        self.hf_names = tuple(hf_names)
         self.impl = impl or DEFAULT_IMPL
         self.dtype = dtype
         init = nnx.initializers.normal(INIT_STD)
@@ -404,6 +411,8 @@ class Experts(nnx.Module):
         gate, up = jnp.split(gu, 2, axis=-1)
         if self.activation == "silu":
             return jax.nn.silu(gate) * up
+        if self.activation == "silu_clamped":
+            return jax.nn.silu(jnp.minimum(gate, self.limit)) * jnp.clip(up, -self.limit, self.limit)
         gate = jnp.minimum(gate, self.limit)
         up = jnp.clip(up, -self.limit, self.limit)
         return (up + 1) * gate * jax.nn.sigmoid(gate * self.alpha)
@@ -581,10 +590,11 @@ class Experts(nnx.Module):
                 out["down_proj_bias"] = self.down_bias[...]
             return out
         out = {}
+        gate, up, dn = self.hf_names
         for e in range(self.num_experts):
-            out[f"{e}.gate_proj.weight"] = gu[e, :, :I].T  # [I, D]
-            out[f"{e}.up_proj.weight"] = gu[e, :, I:].T
-            out[f"{e}.down_proj.weight"] = down[e].T  # [D, I]
+            out[f"{e}.{gate}.weight"] = gu[e, :, :I].T  # [I, D]
+            out[f"{e}.{up}.weight"] = gu[e, :, I:].T
+            out[f"{e}.{dn}.weight"] = down[e].T  # [D, I]
         return out
 
     def hf_views(self, get: Callable[[str, tuple[int, ...]], views.View | None]) -> dict[str, views.View | None]:
@@ -603,8 +613,9 @@ class Experts(nnx.Module):
                 out["gate_up_bias"] = split(get("gate_up_proj_bias", (E, 2 * I)))
                 out["down_bias"] = get("down_proj_bias", (E, D))
             return out
-        parts = [[get(f"{e}.{n}.weight", s) for n, s in (("gate_proj", (I, D)), ("up_proj", (I, D)),
-                                                         ("down_proj", (D, I)))] for e in range(E)]
+        gate_n, up_n, down_n = self.hf_names
+        parts = [[get(f"{e}.{n}.weight", s) for n, s in ((gate_n, (I, D)), (up_n, (I, D)), (down_n, (D, I)))]
+                 for e in range(E)]
         if any(p is None for trio in parts for p in trio):
             return {}  # `get` has recorded what is missing or mis-shaped
         # stack the HF tensors as they are, then one permutation: the loader applies it on the devices
@@ -646,13 +657,17 @@ class MoE(nnx.Module):
         self.shared_experts = nnx.data(shared_experts)
         self.collect_aux = False  # the trainer turns this on: sow the load-balancing loss per call
 
-    def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        return getattr(self, self.router_name)(x)
+    def route(self, x: jax.Array, tokens: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """x [T, D] (and, for a router that reads them, token ids [T]) -> (weights, experts, logits)."""
+        router = getattr(self, self.router_name)
+        return router(x) if tokens is None else router(x, tokens)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, tokens: jax.Array | None = None) -> jax.Array:
+        """x [..., D] -> [..., D]; `tokens` [...] (the input ids) for a router that routes by token id
+        (DeepSeek-V4's hash layers)."""
         lead = x.shape[:-1]
         flat = x.reshape(-1, x.shape[-1])  # [T, D]
-        w, idx, logits = self.route(flat)
+        w, idx, logits = self.route(flat, None if tokens is None else tokens.reshape(-1))
         if self.collect_aux:
             router = getattr(self, self.router_name)
             self.sow(nnx.Intermediate, "aux_loss", load_balancing_loss(logits, idx, router.scoring))

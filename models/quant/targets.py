@@ -115,7 +115,8 @@ def check_divisible(units: Sequence[Unit], scheme: Scheme) -> None:
 def check_supported(units: Sequence[Unit], scheme: Scheme) -> None:
     """check_divisible, and GPT-OSS's fused experts only with mxfp4a16[-gptq] (their one on-disk layout is
     GPT-OSS's MXFP4; they have no compressed-tensors one), and then no Linear beside them (`quant_units`
-    with the scheme leaves them out: GPT-OSS's checkpoint keeps attention float)."""
+    with the scheme leaves them out: GPT-OSS's checkpoint keeps attention float). DeepSeek-V4's experts (and so
+    the model) are refused: none of the folds or calibration paths has been checked on it."""
     gpt_oss = [u.name for u in units if is_gpt_oss_experts(u.module)]
     if gpt_oss and not gpt_oss_mxfp4(scheme):
         raise ValueError(f"quantize: scheme {scheme.name}: {gpt_oss[0]}: GPT-OSS's fused experts are written only "
@@ -125,6 +126,10 @@ def check_supported(units: Sequence[Unit], scheme: Scheme) -> None:
         raise ValueError(f"quantize: scheme {scheme.name}: {linears[0]}: with GPT-OSS's MXFP4 experts every Linear "
                          "stays float (one quantization_config per checkpoint); select the units with "
                          "quant_units(model, ignore, scheme)")
+    clamped = [u.name for u in units if getattr(u.module, "activation", None) == "silu_clamped"]
+    if clamped:
+        raise ValueError(f"quantize: scheme {scheme.name}: {clamped[0]}: DeepSeek-V4 (clamped experts, "
+                         "compressed attention, mHC streams) is not supported by quantization yet")
     check_divisible(units, scheme)
 
 

@@ -132,7 +132,8 @@ def tiny_configs() -> dict[str, transformers.PretrainedConfig]:
     the family's hard paths on: DeepSeek group-limited routing, YaRN with mscale and a q LoRA; GPT-OSS
     sliding window 8 and its default YaRN; GLM q/k/v bias, QK-norm and partial rotary; Qwen3 head_dim
     != hidden / heads; DeepSeek-V3.2's indexer keeping 8 keys (fewer than the tests'
-    lengths). Used by test_families_io.py and benchmarks/parity.py."""
+    lengths); DeepSeek-V4's CSA (m=4, top 3 entries) and HCA (m=8) layers with a window of 8. Used by
+    test_families_io.py and benchmarks/parity.py."""
     moe = dict(moe_intermediate_size=32, num_experts_per_tok=2)
     return {
         "LlamaForCausalLM": transformers.LlamaConfig(**BASE, intermediate_size=96, num_key_value_heads=2),
@@ -161,6 +162,12 @@ def tiny_configs() -> dict[str, transformers.PretrainedConfig]:
             qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, n_shared_experts=1,
             n_group=2, topk_group=1, first_k_dense_replace=1, index_topk=8, index_head_dim=16, index_n_heads=8,
             index_topk_pattern="F" + "S" * (BASE["num_hidden_layers"] - 1)),
+        "DeepseekV4ForCausalLM": transformers.DeepseekV4Config(
+            **BASE, **moe, head_dim=32, q_lora_rank=32, partial_rotary_factor=0.5, n_routed_experts=8,
+            layer_types=["compressed_sparse_attention", "heavily_compressed_attention"],
+            compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8}, hc_mult=2,
+            sliding_window=8, o_groups=2, o_lora_rank=16, index_n_heads=8, index_head_dim=16, index_topk=3,
+            mlp_layer_types=["hash_moe", "moe"]),
     }
 
 

@@ -18,6 +18,7 @@ import safetensors.numpy
 from flax import nnx
 
 from models.deepseek_v3 import DeepseekV3Config
+from models.deepseek_v4 import DeepseekV4Config
 from models.deepseek_v32 import DeepseekV32Config
 from models.eagle3 import (
     Eagle3Config,
@@ -472,6 +473,7 @@ FAMILIES = {
     "glm4_moe": (Glm4MoeConfig.tiny(V), 96),
     "deepseek_v32": (DeepseekV32Config.tiny(V), 160),
     "glm_moe_dsa": (GlmMoeDsaConfig.tiny(V), 160),
+    "deepseek_v4": (DeepseekV4Config.tiny(V), 2 * 32),  # every layer MoE: top_k × expert width
 }
 
 

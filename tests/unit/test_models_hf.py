@@ -55,7 +55,7 @@ def test_config_legacy_and_v5_spellings_agree():
 def test_registry_keys():
     assert set(ARCHITECTURES) == {"LlamaForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM",
                                   "DeepseekV3ForCausalLM", "GptOssForCausalLM", "Glm4MoeForCausalLM",
-                                  "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM"}
+                                  "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM", "DeepseekV4ForCausalLM"}
     cfg = LlamaConfig.qwen3_tiny(64)
     d = cfg.to_hf()
     assert d["model_type"] == "qwen3" and d["architectures"] == ["Qwen3ForCausalLM"]

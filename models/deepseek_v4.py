@@ -1,0 +1,661 @@
+"""DeepSeek-V4 in Flax NNX, numerically matching transformers 5.25 `DeepseekV4ForCausalLM`
+(`models/deepseek_v4/modeling_deepseek_v4.py`, `configuration_deepseek_v4.py`, generated from
+`modular_deepseek_v4.py`; the reference is https://huggingface.co/deepseek-ai/DeepSeek-V4-Flash, `inference/model.py`).
+
+Mirrors docs/models/deepseek-v4.md. Every layer is MoE and carries `hc_mult` residual streams:
+
+    streams [B, T, n, D] = embed(ids) copied n times
+    per layer, twice (attention, then MoE), manifold-constrained hyper-connections (mHC):
+        pre, post, comb = f(rms(flatten(streams)) · fn, base, scale)   (comb: Sinkhorn-projected n × n)
+        h = block(norm(Σ_j pre_j · stream_j));  streams = post ⊗ h + combᵀ · streams
+    hidden = norm(Σ_j pre_j · stream_j) (the `hc_head`), logits = head(hidden)
+
+Attention (one kv head, K = V, per-head sink, partial interleaved RoPE on the trailing R dims of each head):
+    q = unweighted_rms(wq_b(q_norm(wq_a(x)))) per head, kv = norm(wkv(x)), both rotated
+    keys = the last `sliding_window` tokens (every layer) ++ compressed entries (CSA / HCA layers):
+      HCA: entry w = norm(Σ_{m tokens of window w} softmax(wgate(x) + ape) ⊙ wkv(x)), rotated at position w·m
+      CSA: windows of 2m tokens with stride m (the previous window's first half-projection, the current one's
+           second half), m = compress_rate_csa, and a lightning indexer (its own compressor at index_head_dim,
+           queries from the q latent, head weights) keeping `index_topk` entries per query
+    entry w is visible to query t once its window is closed ((w + 1)·m − 1 ≤ t)
+    out = attention(q, keys) with the sink, the output's rope dims rotated back by the query position,
+          then the grouped low-rank projection: o_groups groups of heads → o_lora_rank each (wo_a), → D (wo_b)
+MoE: sqrt(softplus) router scores (+ e_score_correction_bias to choose) or, in the first `hash_moe` layers, the
+experts of a fixed token-id table (`tid2eid`); clamped SwiGLU experts (gate ≤ limit, |up| ≤ limit) plus one
+clamped shared expert.
+
+HF tensors are transformers' `save_pretrained` names (the reference's: `layers.{i}.attn.wq_a`, `...attn.compressor.
+wkv`, `...ffn.experts.{e}.w1`, `layers.{i}.hc_attn_fn`, `hc_head.hc_fn`, top-level `head.weight`), which this module's
+attribute names follow. With a KV cache, each layer's `cache.k` holds the rotated sliding key and `cache.v` the
+compressors' per-token projections (kv | gate, then the indexer's); compressed entries are rebuilt from them at every
+call, so any cache length, rollback or speculative tree sees exactly the full forward's entries.
+
+Shape legend: B batch, T length, S key slots (the cache length with a cache), D model, n streams, N heads,
+Hd head dim, R rope dims, Q q latent, G o_groups, O o_lora_rank, H indexer heads, DI indexer head dim, m rate,
+W compressed entries, E experts, k experts per token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import flax.core
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from models.decoder import Context, DecoderLM
+from models.deepseek_v32 import Indexer as DSAIndexer
+from models.flops import LayerFlops, routed_ffn, swiglu
+from models.generate import KVCache
+from models.layers import Buffer, Linear, RMSNorm, attention, param, rope_frequencies
+from models.moe import Experts, MoE, Router
+
+ARCHITECTURE = "DeepseekV4ForCausalLM"
+# the registry record (models/families.py): HF architecture -> the config.json model_types it ships with
+REGISTRY = {"DeepseekV4ForCausalLM": ("deepseek_v4",)}
+SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
+LAYER_TYPES = (SLIDING, CSA, HCA)
+RATIO_TO_TYPE = {0: SLIDING, 4: CSA, 128: HCA}  # the legacy per-layer `compress_ratios`, as transformers folds them
+MLP_LAYER_TYPES = ("hash_moe", "moe")
+DEFAULT_HASH_LAYERS = 3
+SCORING = ("sqrtsoftplus", "sigmoid")
+
+
+# ------------------------------------------------------------------------------------------------
+# Config
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class DeepseekV4Config:
+    """transformers' `DeepseekV4Config` fields and defaults (DeepSeek-V4-Flash's shapes). `layer_types` and
+    `mlp_layer_types` are always resolved (transformers' defaults: two HCA layers then CSA / HCA alternating;
+    three hash layers); `rope_scaling` is the compressed layers' RoPE scaling (None or YaRN), whose theta is
+    `compress_rope_theta`; sliding layers use plain RoPE at `rope_theta`."""
+
+    vocab_size: int = 129280
+    hidden_size: int = 4096
+    moe_intermediate_size: int = 2048
+    num_hidden_layers: int = 43
+    num_attention_heads: int = 64
+    num_key_value_heads: int = 1
+    head_dim: int = 512
+    q_lora_rank: int = 1024
+    qk_rope_head_dim: int = 64  # R = head_dim · partial_rotary_factor
+    num_experts_per_tok: int = 6
+    n_routed_experts: int = 256
+    n_shared_experts: int = 1
+    scoring_func: str = "sqrtsoftplus"
+    routed_scaling_factor: float = 1.5
+    max_position_embeddings: int = 1048576
+    rope_theta: float = 10000.0
+    compress_rope_theta: float = 160000.0
+    rope_scaling: Mapping[str, Any] | None = None
+    layer_types: tuple[str, ...] | None = None
+    compress_rate_csa: int = 4
+    compress_rate_hca: int = 128
+    hc_mult: int = 4
+    hc_sinkhorn_iters: int = 20
+    hc_eps: float = 1e-6
+    mlp_layer_types: tuple[str, ...] | None = None
+    swiglu_limit: float = 10.0
+    sliding_window: int = 128
+    o_groups: int = 8
+    o_lora_rank: int = 1024
+    index_n_heads: int = 64
+    index_head_dim: int = 128
+    index_topk: int = 512
+    num_nextn_predict_layers: int = 1  # in the published files; transformers (and this module) build none
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = 0
+    eos_token_id: int | tuple[int, ...] | None = 1
+    pad_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        set_ = lambda k, v: object.__setattr__(self, k, v)
+        n = self.num_hidden_layers
+        if self.layer_types is None:
+            alternate = [CSA if i % 2 else HCA for i in range(max(n - 2, 0))]
+            set_("layer_types", [HCA] * min(n, 2) + alternate)
+        if self.mlp_layer_types is None:
+            k = DEFAULT_HASH_LAYERS
+            set_("mlp_layer_types", ["hash_moe"] * min(n, k) + ["moe"] * max(0, n - k))
+        for name, allowed in (("layer_types", LAYER_TYPES), ("mlp_layer_types", MLP_LAYER_TYPES)):
+            types = tuple(getattr(self, name))
+            if len(types) != n or set(types) - set(allowed):
+                raise ValueError(f"{name} {list(types)}: one of {allowed} per layer ({n})")
+            set_(name, types)
+        if self.rope_scaling is not None:
+            set_("rope_scaling", flax.core.FrozenDict(self.rope_scaling))
+        if isinstance(self.eos_token_id, Sequence):
+            set_("eos_token_id", tuple(int(e) for e in self.eos_token_id))
+        if self.num_key_value_heads != 1:
+            raise NotImplementedError(f"num_key_value_heads {self.num_key_value_heads} (V4 shares one K=V head)")
+        if self.scoring_func not in SCORING:
+            raise NotImplementedError(f"scoring_func {self.scoring_func!r} (supported: {', '.join(SCORING)})")
+        if self.n_shared_experts != 1:
+            raise NotImplementedError(f"n_shared_experts {self.n_shared_experts} (transformers builds exactly one)")
+        if self.qk_rope_head_dim % 2 or not 0 < self.qk_rope_head_dim <= min(self.head_dim, self.index_head_dim):
+            raise ValueError(f"qk_rope_head_dim {self.qk_rope_head_dim}: even, at most head_dim and index_head_dim")
+        if (self.num_attention_heads * self.head_dim) % self.o_groups:
+            raise ValueError(f"o_groups {self.o_groups} does not divide num_attention_heads × head_dim")
+        if self.num_experts_per_tok > self.n_routed_experts:
+            raise ValueError(f"num_experts_per_tok {self.num_experts_per_tok} > n_routed_experts")
+        for name in ("compress_rate_csa", "compress_rate_hca", "hc_mult", "hc_sinkhorn_iters", "o_lora_rank",
+                     "index_topk"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} {getattr(self, name)}: must be a positive integer")
+
+    @property
+    def intermediate_size(self) -> int:  # transformers' attribute_map: the shared expert's width
+        return self.moe_intermediate_size
+
+    def is_moe_layer(self, i: int) -> bool:
+        return True
+
+    def layer_window(self, i: int) -> int:
+        return self.sliding_window  # every layer's sliding branch (CSA / HCA add compressed entries)
+
+    def compress_rate(self, i: int) -> int:
+        """Layer i's compression rate m (0 for a sliding-only layer)."""
+        return {SLIDING: 0, CSA: self.compress_rate_csa, HCA: self.compress_rate_hca}[self.layer_types[i]]
+
+    def raw_width(self, i: int) -> int:
+        """Per-token compressor projections layer i caches: kv and gate, 2·Hd each with CSA's overlap (+ the
+        indexer's 2·DI each), Hd each for HCA."""
+        kind, Hd, DI = self.layer_types[i], self.head_dim, self.index_head_dim
+        return {SLIDING: 0, CSA: 4 * Hd + 4 * DI, HCA: 2 * Hd}[kind]
+
+    def kv_cache_dims(self) -> tuple[tuple[int, int], tuple[int, int]]:
+        """k = the rotated K=V sliding key (1 × Hd); v = the compressors' per-token projections (the widest layer)."""
+        return (1, self.head_dim), (1, max([self.raw_width(i) for i in range(self.num_hidden_layers)] + [1]))
+
+    def rope_tables(self, positions: jax.Array, compressed: bool) -> tuple[jax.Array, jax.Array]:
+        """cos, sin [..., R/2] fp32 at integer `positions` [...]: one angle per interleaved pair; the compressed
+        layers' RoPE (compress_rope_theta, optional YaRN) or the sliding layers' (rope_theta)."""
+        theta, scaling = (self.compress_rope_theta, self.rope_scaling) if compressed else (self.rope_theta, None)
+        inv_freq, mscale = rope_frequencies(self.qk_rope_head_dim, theta, scaling, self.max_position_embeddings)
+        angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)  # [..., R/2]
+        return jnp.cos(angles) * mscale, jnp.sin(angles) * mscale
+
+    def layer_flops(self) -> list[LayerFlops]:
+        """Per layer: the attention projections (+ compressor and indexer projections), router, top-k experts and
+        the shared expert; each query attends to its window plus at most index_topk (CSA) or all T/m (HCA) entries
+        (counted as the window of the accounting: the window plus index_topk, or no window for HCA)."""
+        D, N, Hd, Q, G, O = (self.hidden_size, self.num_attention_heads, self.head_dim, self.q_lora_rank,
+                             self.o_groups, self.o_lora_rank)
+        H, DI = self.index_n_heads, self.index_head_dim
+        attn = D * Q + Q * N * Hd + D * Hd + N * Hd * O + G * O * D
+        ffn = routed_ffn(self, self.n_routed_experts, self.moe_intermediate_size, 0) + \
+            swiglu(D, self.moe_intermediate_size)
+        out = []
+        for kind in self.layer_types:
+            extra = {SLIDING: 0, HCA: 2 * D * Hd, CSA: 4 * D * Hd + 4 * D * DI + Q * H * DI + D * H}[kind]
+            window = {SLIDING: self.sliding_window, CSA: self.sliding_window + self.index_topk, HCA: None}[kind]
+            out.append(LayerFlops(attn + extra + ffn, N * Hd, N * Hd, window))
+        return out
+
+    # -- presets ---------------------------------------------------------------------------------
+
+    @classmethod
+    def tiny(cls, vocab_size: int = 256, **overrides: Any) -> DeepseekV4Config:
+        """Width 64, 3 layers (sliding, CSA, HCA; the first hash-routed), 2 streams, window 8, CSA m=4 keeping the
+        top 3 entries, HCA m=8: sequences past 16 tokens run every sparse and compressed path."""
+        kw = dict(vocab_size=vocab_size, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=3,
+                  num_attention_heads=4, head_dim=32, q_lora_rank=32, qk_rope_head_dim=16, num_experts_per_tok=2,
+                  n_routed_experts=8, max_position_embeddings=512, layer_types=(SLIDING, CSA, HCA),
+                  compress_rate_csa=4, compress_rate_hca=8, hc_mult=2, mlp_layer_types=("hash_moe", "moe", "moe"),
+                  sliding_window=8, o_groups=2, o_lora_rank=16, index_n_heads=8, index_head_dim=16, index_topk=3)
+        return cls(**{**kw, **overrides})
+
+    @classmethod
+    def deepseek_v4_flash(cls, **overrides: Any) -> DeepseekV4Config:
+        """deepseek-ai/DeepSeek-V4-Flash: transformers' defaults (the config class documents them as Flash's;
+        not read from the Hub config.json here) with its compressed layers' YaRN ×16 from 65536 positions."""
+        yarn = {"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 65536, "beta_fast": 32,
+                "beta_slow": 1, "attention_factor": 1.0}
+        return cls(**{"rope_scaling": yarn, **overrides})
+
+    # -- HF config.json --------------------------------------------------------------------------
+
+    @classmethod
+    def from_hf(cls, d: Mapping[str, Any]) -> DeepseekV4Config:
+        """From config.json in transformers' spelling (`layer_types`, `mlp_layer_types`, `compress_rates`,
+        `partial_rotary_factor`, nested `rope_parameters` {main, compress}) or the legacy one transformers folds
+        in (`compress_ratios` per layer, `compress_rate_csa` / `compress_rate_hca`, `num_hash_layers`,
+        `qk_rope_head_dim`, a flat `rope_scaling` / `rope_parameters` applying to the compressed layers)."""
+        archs = d.get("architectures") or [ARCHITECTURE]
+        if ARCHITECTURE not in archs:
+            raise ValueError(f"config.json: architectures {archs} is not {ARCHITECTURE}")
+        if d.get("model_type", "deepseek_v4") != "deepseek_v4":
+            raise ValueError(f"config.json: model_type {d['model_type']!r} (supported: deepseek_v4)")
+        if d.get("hidden_act", "silu") != "silu":
+            raise NotImplementedError(f"config.json: hidden_act {d['hidden_act']!r} (only silu)")
+        for key in ("attention_bias", "mlp_bias"):
+            if d.get(key):
+                raise NotImplementedError(f"config.json: {key} true (DeepSeek-V4 has no biases)")
+        n, head_dim = d["num_hidden_layers"], d.get("head_dim", cls.head_dim)
+        rates = dict(d.get("compress_rates") or {})
+        csa = d.get("compress_rate_csa") or rates.get(CSA, cls.compress_rate_csa)
+        hca = d.get("compress_rate_hca") or rates.get(HCA, cls.compress_rate_hca)
+        types = d.get("layer_types")
+        if types is None and d.get("compress_ratios") is not None:
+            ratios = list(d["compress_ratios"])
+            if set(ratios) - set(RATIO_TO_TYPE):
+                raise ValueError(f"config.json: compress_ratios {ratios}: each one of {sorted(RATIO_TO_TYPE)}")
+            types = [RATIO_TO_TYPE[r] for r in ratios]
+        mlp_types = d.get("mlp_layer_types")
+        if mlp_types is None:
+            k = d.get("num_hash_layers", DEFAULT_HASH_LAYERS)
+            mlp_types = ["hash_moe"] * min(n, k) + ["moe"] * max(0, n - k)
+        rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
+        theta = d.get("rope_theta", cls.rope_theta)
+        compress_theta = d.get("compress_rope_theta", cls.compress_rope_theta)
+        if isinstance(rope.get("main"), Mapping) and isinstance(rope.get("compress"), Mapping):
+            main, comp = dict(rope["main"]), dict(rope["compress"])
+            if main.get("rope_type", "default") != "default":
+                raise NotImplementedError(f"config.json: rope_parameters.main rope_type {main['rope_type']!r}")
+            theta, compress_theta = main.get("rope_theta", theta), comp.get("rope_theta", compress_theta)
+            partial = main.get("partial_rotary_factor", d.get("partial_rotary_factor"))
+        else:
+            comp = {k: v for k, v in rope.items() if k not in ("main", "compress")}
+            theta = comp.pop("rope_theta", theta)  # a flat dict's theta is the main one (transformers folds it so)
+            partial = d.get("partial_rotary_factor")
+        for key in ("rope_theta", "partial_rotary_factor", "truncate"):
+            comp.pop(key, None)  # transformers reads `truncate` from the top level of rope_parameters: always on
+        rope_type = comp.pop("rope_type", None) or comp.pop("type", None) or "default"
+        comp.pop("type", None)
+        if rope_type not in ("default", "yarn"):
+            raise NotImplementedError(f"config.json: compressed-layer rope_type {rope_type!r} (default or yarn)")
+        scaling = None if rope_type == "default" else {"rope_type": "yarn", "attention_factor": 1.0, **comp}
+        if partial is not None:
+            rope_dim = int(head_dim * float(partial))
+        else:
+            rope_dim = d.get("qk_rope_head_dim") or head_dim // 8  # transformers' default factor 64 / 512
+        defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+        get = lambda k: d.get(k, defaults[k])  # noqa: E731
+        names = ("vocab_size", "hidden_size", "moe_intermediate_size", "num_attention_heads", "q_lora_rank",
+                 "num_experts_per_tok", "n_routed_experts", "n_shared_experts", "scoring_func",
+                 "routed_scaling_factor", "max_position_embeddings", "hc_mult", "hc_sinkhorn_iters", "hc_eps",
+                 "swiglu_limit", "sliding_window", "o_groups", "o_lora_rank", "index_n_heads", "index_head_dim",
+                 "index_topk", "num_nextn_predict_layers", "rms_norm_eps", "tie_word_embeddings", "bos_token_id",
+                 "eos_token_id", "pad_token_id")
+        return cls(**{k: get(k) for k in names}, num_hidden_layers=n, head_dim=head_dim,
+                   num_key_value_heads=d.get("num_key_value_heads") or 1, qk_rope_head_dim=rope_dim,
+                   rope_theta=float(theta), compress_rope_theta=float(compress_theta), rope_scaling=scaling,
+                   layer_types=None if types is None else tuple(types)[:n], compress_rate_csa=csa,
+                   compress_rate_hca=hca, mlp_layer_types=tuple(mlp_types)[:n])
+
+    def to_hf(self, dtype: str = "float32") -> dict[str, Any]:
+        """transformers' spelling: nested `rope_parameters` {main, compress}, `compress_rates`, per-layer types."""
+        partial = self.qk_rope_head_dim / self.head_dim
+        main = {"rope_type": "default", "rope_theta": self.rope_theta, "partial_rotary_factor": partial}
+        compress = {"rope_type": "default", **dict(self.rope_scaling or {}), "rope_theta": self.compress_rope_theta,
+                    "partial_rotary_factor": partial}
+        eos = list(self.eos_token_id) if isinstance(self.eos_token_id, tuple) else self.eos_token_id
+        skip = ("rope_scaling", "compress_rate_csa", "compress_rate_hca", "qk_rope_head_dim", "layer_types",
+                "mlp_layer_types", "eos_token_id")
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in skip}
+        return {"architectures": [ARCHITECTURE], "model_type": "deepseek_v4", **out, "eos_token_id": eos,
+                "layer_types": list(self.layer_types), "mlp_layer_types": list(self.mlp_layer_types),
+                "compress_rates": {CSA: self.compress_rate_csa, HCA: self.compress_rate_hca},
+                "partial_rotary_factor": partial, "rope_parameters": {"main": main, "compress": compress},
+                "hidden_act": "silu", "attention_bias": False, "mlp_bias": False, "dtype": dtype}
+
+
+# ------------------------------------------------------------------------------------------------
+# Small pieces: interleaved RoPE on the trailing dims, the unweighted RMS norm, mHC weights
+# ------------------------------------------------------------------------------------------------
+
+
+def rope_tail(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """x [B, T, N, X] with its last 2·len(cos) dims rotated in adjacent pairs (x0, x1), (x2, x3), ... by the
+    tables cos, sin [B, T, R/2] (transformers `apply_rotary_pos_emb`: in fp32, cast back; the leading dims pass)."""
+    R = 2 * cos.shape[-1]
+    rot = x[..., -R:].astype(jnp.float32)
+    even, odd = rot[..., 0::2], rot[..., 1::2]  # [B, T, N, R/2]
+    c, s = cos[:, :, None, :], sin[:, :, None, :]
+    rotated = jnp.stack([even * c - odd * s, odd * c + even * s], axis=-1).reshape(rot.shape)
+    return jnp.concatenate([x[..., :-R], rotated.astype(x.dtype)], axis=-1)
+
+
+def unweighted_rms(x: jax.Array, eps: float) -> jax.Array:
+    """x · rsqrt(mean(x²) + eps) over the last axis, statistics in fp32 (transformers' unweighted RMSNorm)."""
+    x32 = x.astype(jnp.float32)
+    return x * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps).astype(x.dtype)
+
+
+def fp32_norm(features: int, eps: float, axis_name: str = "norm") -> RMSNorm:
+    """An RMSNorm transformers keeps in fp32 (weight, multiply and file dtype), whatever the model's dtype."""
+    norm = RMSNorm(features, eps=eps, axis_name=axis_name, param_dtype=jnp.float32, weight_in_fp32=True)
+    norm.keep_fp32 = True
+    return norm
+
+
+def hyper_weights(streams: jax.Array, fn: jax.Array, base: jax.Array, scale: jax.Array, *, iters: int, eps: float,
+                  norm_eps: float) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """mHC (transformers `DeepseekV4HyperConnection`): streams [B, T, n, D] -> (post [B, T, n], comb [B, T, n, n],
+    the collapsed block input Σ_j pre_j · stream_j [B, T, D]); comb is projected towards a doubly-stochastic
+    matrix by `iters` Sinkhorn-Knopp steps (columns first)."""
+    B, T, n, D = streams.shape
+    flat = unweighted_rms(streams.reshape(B, T, n * D).astype(jnp.float32), norm_eps)  # [B, T, nD]
+    mixes = flat @ fn.astype(jnp.float32).T  # [B, T, (2 + n) n]
+    pre_w, post_w, comb_w = mixes[..., :n], mixes[..., n:2 * n], mixes[..., 2 * n:].reshape(B, T, n, n)
+    pre = jax.nn.sigmoid(pre_w * scale[0] + base[:n]) + eps
+    post = 2 * jax.nn.sigmoid(post_w * scale[1] + base[n:2 * n])
+    comb = jax.nn.softmax(comb_w * scale[2] + base[2 * n:].reshape(n, n), axis=-1) + eps
+    comb = comb / (jnp.sum(comb, axis=-2, keepdims=True) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (jnp.sum(comb, axis=-1, keepdims=True) + eps)
+        comb = comb / (jnp.sum(comb, axis=-2, keepdims=True) + eps)
+    collapsed = jnp.sum(pre[..., None] * streams, axis=2).astype(streams.dtype)  # [B, T, D]
+    return post, comb, collapsed
+
+
+# ------------------------------------------------------------------------------------------------
+# Compressors and the indexer
+# ------------------------------------------------------------------------------------------------
+
+
+class Compressor(nnx.Module):
+    """One compressed entry per closed window of m tokens (HF `...compressor.{wkv, wgate, ape, norm}`): softmax
+    over the window of wgate(x) + ape, times wkv(x), summed, RMS-normed, rotated at the window's first position.
+    `overlap` (CSA): projections of 2·X, entry w mixes window w−1's first halves with window w's second halves."""
+
+    def __init__(self, config: DeepseekV4Config, rate: int, dim: int, overlap: bool, *, rngs: nnx.Rngs, dtype: Any,
+                 param_dtype: Any):
+        c, width = config, (2 if overlap else 1) * dim
+        self.config, self.rate, self.dim, self.overlap = config, rate, dim, overlap
+        kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.wkv = Linear(c.hidden_size, width, axes=("embed", "head_dim"), **kw)
+        self.wgate = Linear(c.hidden_size, width, axes=("embed", "head_dim"), **kw)
+        self.ape = param(jnp.zeros((rate, width), jnp.float32), (None, "head_dim"))  # transformers keeps it fp32
+        self.norm = fp32_norm(dim, c.rms_norm_eps, "head_dim")
+        self.hf_raw = ("ape",)
+        self.keep_fp32 = True
+
+    @property
+    def raw_width(self) -> int:
+        return 2 * (2 if self.overlap else 1) * self.dim
+
+    def project(self, x: jax.Array) -> jax.Array:
+        """x [B, T, D] -> per-token [kv | gate] [B, T, raw_width] (what the cache keeps)."""
+        return jnp.concatenate([self.wkv(x), self.wgate(x)], axis=-1)
+
+    def __call__(self, raw: jax.Array) -> jax.Array:
+        """raw [B, S, raw_width] of key slots 0..S-1 -> entries [B, S // m, X], entry w closing at slot (w+1)·m − 1."""
+        B, S, _ = raw.shape
+        m, X, W = self.rate, self.dim, S // self.rate
+        half = raw.shape[-1] // 2
+        kv = raw[:, :W * m, :half].reshape(B, W, m, half)
+        gate = raw[:, :W * m, half:].reshape(B, W, m, half).astype(jnp.float32) + self.ape[...]
+        if self.overlap:  # [B, W, 2m, X]: window w−1's first halves (none before window 0), then window w's second
+            prev_kv = jnp.pad(kv[:, :-1, :, :X], ((0, 0), (1, 0), (0, 0), (0, 0)))
+            prev_gate = jnp.pad(gate[:, :-1, :, :X], ((0, 0), (1, 0), (0, 0), (0, 0)), constant_values=-jnp.inf)
+            kv = jnp.concatenate([prev_kv, kv[..., X:]], axis=2)
+            gate = jnp.concatenate([prev_gate, gate[..., X:]], axis=2)
+        weights = jax.nn.softmax(gate, axis=2).astype(kv.dtype)
+        entries = self.norm(jnp.sum(kv * weights, axis=2))  # [B, W, X]
+        positions = jnp.broadcast_to(jnp.arange(W, dtype=jnp.int32) * m, (B, W))
+        cos, sin = self.config.rope_tables(positions, compressed=True)
+        return rope_tail(entries[:, :, None, :], cos, sin)[:, :, 0]
+
+
+class V4Indexer(nnx.Module):
+    """CSA's lightning indexer (HF `...attn.indexer.{wq_b, weights_proj, compressor}`): its own overlapping
+    compressor at index_head_dim, queries from the q latent rotated at the query positions, and V3.2's top-k
+    selection (score Σ_h w_h · relu(q_h · k) · DI^-0.5 with w = weights_proj(x) · H^-0.5)."""
+
+    select = DSAIndexer.select  # [B, T, W] visible entries -> the index_topk best of each query
+
+    def __init__(self, config: DeepseekV4Config, *, rngs: nnx.Rngs, dtype: Any, param_dtype: Any):
+        c = config
+        self.n_heads, self.head_dim, self.index_topk = c.index_n_heads, c.index_head_dim, c.index_topk
+        kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.wq_b = Linear(c.q_lora_rank, c.index_n_heads * c.index_head_dim, axes=("q_lora", "heads"), **kw)
+        self.weights_proj = Linear(c.hidden_size, c.index_n_heads, axes=("embed", "heads"), **kw)
+        self.compressor = Compressor(c, c.compress_rate_csa, c.index_head_dim, True, **kw)
+
+    def __call__(self, x: jax.Array, q_latent: jax.Array, raw: jax.Array, visible: jax.Array,
+                 rope: tuple[jax.Array, jax.Array]) -> jax.Array:
+        """x [B, T, D], q_latent [B, T, Q], the compressor's raw [B, S, F], visible entries [B, T, W]
+        -> the kept ones [B, T, W]."""
+        B, T, _ = x.shape
+        q = rope_tail(self.wq_b(q_latent).reshape(B, T, self.n_heads, self.head_dim), *rope)  # [B, T, H, DI]
+        weights = self.weights_proj(x).astype(jnp.float32) * self.n_heads**-0.5  # [B, T, H]
+        return self.select(q, weights, self.compressor(raw), visible)
+
+
+# ------------------------------------------------------------------------------------------------
+# Attention
+# ------------------------------------------------------------------------------------------------
+
+
+class V4Attention(nnx.Module):
+    """Shared-KV MQA with a sink per head over the sliding window plus the layer's compressed entries, and the
+    grouped low-rank output projection (transformers `DeepseekV4Attention`; HF `layers.{i}.attn.*`)."""
+
+    def __init__(self, config: DeepseekV4Config, layer: int, *, rngs: nnx.Rngs, dtype: Any, param_dtype: Any):
+        c = config
+        D, N, Hd, Q, G, O = c.hidden_size, c.num_attention_heads, c.head_dim, c.q_lora_rank, c.o_groups, c.o_lora_rank
+        self.kind, self.rate = c.layer_types[layer], c.compress_rate(layer)
+        self.num_heads, self.head_dim, self.groups, self.eps = N, Hd, G, c.rms_norm_eps
+        kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.wq_a = Linear(D, Q, axes=("embed", "q_lora"), **kw)
+        self.q_norm = fp32_norm(Q, c.rms_norm_eps, "q_lora")
+        self.wq_b = Linear(Q, N * Hd, axes=("q_lora", "heads"), **kw)
+        self.wkv = Linear(D, Hd, axes=("embed", "head_dim"), **kw)
+        self.norm = fp32_norm(Hd, c.rms_norm_eps, "head_dim")
+        self.wo_a = Linear(N * Hd // G, G * O, axes=("heads", "q_lora"), **kw)  # G blocks [N·Hd/G -> O]
+        self.wo_b = Linear(G * O, D, axes=("q_lora", "embed"), **kw)
+        self.attn_sink = param(jnp.zeros((N,), jnp.float32), ("heads",))
+        self.hf_raw = ("attn_sink",)
+        self.keep_fp32 = True  # the sink stays fp32 on disk, as transformers keeps it
+        self.compressor = nnx.data(None if self.kind == SLIDING else
+                                   Compressor(c, self.rate, Hd, self.kind == CSA, **kw))
+        self.indexer = nnx.data(V4Indexer(c, **kw) if self.kind == CSA else None)
+
+    def __call__(self, x: jax.Array, ctx: Context, cache: KVCache | None, layer: int, window: int | None = None
+                 ) -> tuple[jax.Array, KVCache | None]:
+        B, T, _ = x.shape
+        N, Hd = self.num_heads, self.head_dim
+        rope = ctx.rope["main" if self.kind == SLIDING else "compress"]  # cos, sin [B, T, R/2]
+        q_latent = self.q_norm(self.wq_a(x))  # [B, T, Q]
+        q = rope_tail(unweighted_rms(self.wq_b(q_latent).reshape(B, T, N, Hd), self.eps), *rope)  # [B, T, N, Hd]
+        kv = rope_tail(self.norm(self.wkv(x))[:, :, None, :], *rope)  # [B, T, 1, Hd]
+        raw = None
+        if self.compressor is not None:
+            raw = self.compressor.project(x)
+            if self.indexer is not None:
+                raw = jnp.concatenate([raw, self.indexer.compressor.project(x)], axis=-1)  # [B, T, F]
+        if cache is not None:  # keys over the cache's slots; this call's rows written first
+            width = cache.v.shape[-1]
+            store = jnp.zeros((B, T, 1, width), cache.v.dtype) if raw is None else \
+                jnp.pad(raw, ((0, 0), (0, 0), (0, width - raw.shape[-1])))[:, :, None, :]
+            cache = cache.write(layer, ctx.slots, kv, store)
+            keys = cache.k[layer][:, 0]  # [B, S, Hd]
+            raw = None if raw is None else cache.v[layer][:, 0, :, :raw.shape[-1]].astype(x.dtype)  # [B, S, F]
+        else:
+            keys = kv[:, :, 0]  # [B, T, Hd]
+        mask = ctx.mask(window)  # [B, T, S]
+        if self.compressor is not None:
+            F = self.compressor.raw_width
+            entries = self.compressor(raw[..., :F])  # [B, W, Hd]
+            W, m = entries.shape[1], self.rate
+            # entry w is visible where its closing slot (w+1)·m − 1 is (causality and padding of the full mask)
+            visible = ctx.mask(None)[:, :, m - 1:W * m:m]  # [B, T, W]
+            if self.indexer is not None:
+                visible = self.indexer(x, q_latent, raw[..., F:], visible, rope)
+            keys = jnp.concatenate([keys, entries.astype(keys.dtype)], axis=1)  # [B, S + W, Hd]
+            mask = jnp.concatenate([mask, visible], axis=-1)
+        k = keys[:, None]  # [B, 1, S(+W), Hd]: K = V
+        out = attention(q, k, k, mask, sinks=self.attn_sink[...])  # [B, T, N, Hd]
+        cos, sin = rope
+        out = rope_tail(out, cos, -sin)  # undo the values' rotation at the query position
+        grouped = out.reshape(B, T, self.groups, N * Hd // self.groups)  # [B, T, G, N·Hd/G]
+        w = self.wo_a.weight().astype(self.wo_a.dtype).reshape(N * Hd // self.groups, self.groups, -1)  # [in, G, O]
+        low = jnp.einsum("btgi,igo->btgo", grouped.astype(self.wo_a.dtype), w)  # [B, T, G, O]
+        return self.wo_b(low.reshape(B, T, -1)), cache
+
+
+# ------------------------------------------------------------------------------------------------
+# MoE pieces, the decoder layer and the model
+# ------------------------------------------------------------------------------------------------
+
+
+class ClampedMLP(nnx.Module):
+    """The shared expert: w2(silu(min(w1 x, limit)) · clip(w3 x, ±limit)) (HF `...ffn.shared_experts.w{1,2,3}`)."""
+
+    def __init__(self, hidden_size: int, width: int, limit: float, *, rngs: nnx.Rngs, dtype: Any, param_dtype: Any):
+        kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.limit = limit
+        self.w1 = Linear(hidden_size, width, axes=("embed", "mlp"), **kw)
+        self.w3 = Linear(hidden_size, width, axes=("embed", "mlp"), **kw)
+        self.w2 = Linear(width, hidden_size, axes=("mlp", "embed"), **kw)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        gate = jnp.minimum(self.w1(x), self.limit)
+        return self.w2(jax.nn.silu(gate) * jnp.clip(self.w3(x), -self.limit, self.limit))
+
+
+class HashRouter(Router):
+    """Experts from a fixed token-id table `tid2eid` [V, k] (a Buffer), weights from the router's scores of those
+    experts, renormalised, × routed_scaling_factor (transformers `DeepseekV4HashRouter`)."""
+
+    def __init__(self, config: DeepseekV4Config, *, rngs: nnx.Rngs, dtype: Any, param_dtype: Any):
+        c = config
+        super().__init__(c.hidden_size, c.n_routed_experts, c.num_experts_per_tok, scoring=c.scoring_func,
+                         norm_topk_prob=True, routed_scaling_factor=c.routed_scaling_factor, rngs=rngs, dtype=dtype,
+                         param_dtype=param_dtype)
+        self.e_score_correction_bias = nnx.data(None)
+        self.tid2eid = param(jnp.zeros((c.vocab_size, c.num_experts_per_tok), jnp.int32), ("vocab", None), Buffer)
+        self.hf_raw = ("weight", "tid2eid")
+        self.hf_int64 = ("tid2eid",)  # int64 on disk, as transformers writes it
+
+    def __call__(self, x: jax.Array, tokens: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """x [T, D], token ids [T] -> (weights [T, k], experts [T, k], logits [T, E])."""
+        from models.moe import BIASED_SCORES
+
+        logits = x.astype(jnp.float32) @ self.weight[...].astype(jnp.float32).T  # [T, E]
+        scores = BIASED_SCORES[self.scoring](logits)
+        idx = jnp.take(self.tid2eid[...], tokens, axis=0).astype(jnp.int32)  # [T, k]
+        w = jnp.take_along_axis(scores, idx, axis=-1)
+        w = w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20)
+        return w * self.routed_scaling_factor, idx, logits
+
+
+class V4Router(Router):
+    """The sqrt-softplus top-k router; its e_score_correction_bias is `gate.bias` on disk (the reference's name)."""
+
+    def __init__(self, config: DeepseekV4Config, *, rngs: nnx.Rngs, dtype: Any, param_dtype: Any):
+        c = config
+        super().__init__(c.hidden_size, c.n_routed_experts, c.num_experts_per_tok, scoring=c.scoring_func,
+                         norm_topk_prob=True, routed_scaling_factor=c.routed_scaling_factor, rngs=rngs, dtype=dtype,
+                         param_dtype=param_dtype)
+        self.bias = self.e_score_correction_bias  # the same variable under its HF name (not a logits bias)
+        self.hf_raw = ("weight", "bias")
+
+
+def v4_moe(config: DeepseekV4Config, layer: int, *, rngs: nnx.Rngs, dtype: Any, param_dtype: Any) -> MoE:
+    """Router `gate` (hash or sqrt-softplus top-k), clamped SwiGLU experts stored as `experts.{e}.w1/w3/w2`, and
+    the clamped shared expert."""
+    c, kw = config, dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+    if c.mlp_layer_types[layer] == "hash_moe":
+        router: Router = HashRouter(c, **kw)
+    else:
+        router = V4Router(c, **kw)
+    experts = Experts(c.n_routed_experts, c.hidden_size, c.moe_intermediate_size, activation="silu_clamped",
+                      limit=c.swiglu_limit, hf_names=("w1", "w3", "w2"), **kw)
+    return MoE(router, experts, ClampedMLP(c.hidden_size, c.moe_intermediate_size, c.swiglu_limit, **kw))
+
+
+class V4Layer(nnx.Module):
+    """mHC around attention and around the MoE (HF `layers.{i}.{attn, ffn, attn_norm, ffn_norm, hc_attn_*,
+    hc_ffn_*}`): streams [B, T, n, D] in and out."""
+
+    def __init__(self, config: DeepseekV4Config, layer: int, *, rngs: nnx.Rngs, dtype: Any, param_dtype: Any):
+        c = config
+        n, D = c.hc_mult, c.hidden_size
+        kw = dict(rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.config, self.window = config, c.layer_window(layer)
+        self.hashed = c.mlp_layer_types[layer] == "hash_moe"  # its router reads the token ids
+        self.attn_norm = fp32_norm(D, c.rms_norm_eps)
+        self.attn = V4Attention(c, layer, **kw)
+        self.ffn_norm = fp32_norm(D, c.rms_norm_eps)
+        self.ffn = v4_moe(c, layer, **kw)
+        init = nnx.initializers.normal(0.02)
+        for part in ("attn", "ffn"):  # fp32 in memory and on disk, as transformers keeps them
+            setattr(self, f"hc_{part}_fn", param(init(rngs.params(), ((2 + n) * n, n * D), jnp.float32), (None, None)))
+            setattr(self, f"hc_{part}_base", param(jnp.zeros(((2 + n) * n,), jnp.float32), (None,)))
+            setattr(self, f"hc_{part}_scale", param(jnp.ones((3,), jnp.float32), (None,)))
+        self.hf_raw = tuple(f"hc_{p}_{w}" for p in ("attn", "ffn") for w in ("fn", "base", "scale"))
+        self.keep_fp32 = True
+
+    def mix(self, part: str, streams: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        c = self.config
+        return hyper_weights(streams, getattr(self, f"hc_{part}_fn")[...], getattr(self, f"hc_{part}_base")[...],
+                             getattr(self, f"hc_{part}_scale")[...], iters=c.hc_sinkhorn_iters, eps=c.hc_eps,
+                             norm_eps=c.rms_norm_eps)
+
+    def __call__(self, x: jax.Array, ctx: Context, cache: KVCache | None, layer: int):
+        post, comb, h = self.mix("attn", x)
+        h, cache = self.attn(self.attn_norm(h), ctx, cache, layer, self.window)
+        x = post.astype(x.dtype)[..., None] * h[:, :, None, :] + jnp.einsum("btjk,btjd->btkd", comb.astype(x.dtype), x)
+        post, comb, h = self.mix("ffn", x)
+        h = self.ffn(self.ffn_norm(h), ctx.input_ids if self.hashed else None)
+        x = post.astype(x.dtype)[..., None] * h[:, :, None, :] + jnp.einsum("btjk,btjd->btkd", comb.astype(x.dtype), x)
+        return x, cache
+
+
+class HyperHead(nnx.Module):
+    """The final collapse of the streams (HF `model.hc_head.{hc_fn, hc_base, hc_scale}`): Σ_j pre_j · stream_j with
+    pre = sigmoid(rms(flatten(streams)) · hc_fn · hc_scale + hc_base) + hc_eps."""
+
+    def __init__(self, config: DeepseekV4Config, *, rngs: nnx.Rngs):
+        n, D = config.hc_mult, config.hidden_size
+        self.eps, self.norm_eps = config.hc_eps, config.rms_norm_eps
+        self.hc_fn = param(nnx.initializers.normal(0.02)(rngs.params(), (n, n * D), jnp.float32), (None, None))
+        self.hc_base = param(jnp.zeros((n,), jnp.float32), (None,))
+        self.hc_scale = param(jnp.ones((1,), jnp.float32), (None,))
+        self.hf_raw = ("hc_fn", "hc_base", "hc_scale")
+        self.keep_fp32 = True
+
+    def __call__(self, streams: jax.Array) -> jax.Array:
+        B, T, n, D = streams.shape
+        flat = unweighted_rms(streams.reshape(B, T, n * D).astype(jnp.float32), self.norm_eps)
+        pre = jax.nn.sigmoid(flat @ self.hc_fn[...].T * self.hc_scale[...] + self.hc_base[...]) + self.eps  # [B, T, n]
+        return jnp.sum(pre[..., None] * streams, axis=2).astype(streams.dtype)  # [B, T, D]
+
+
+class DeepseekV4(DecoderLM):
+    """embed -> n streams -> L × V4Layer -> hc_head -> RMSNorm -> `head` (tied to the embedding when configured)."""
+
+    def __init__(self, config: DeepseekV4Config, *, rngs: nnx.Rngs, dtype: Any = jnp.float32,
+                 param_dtype: Any = jnp.float32):
+        super().__init__(config, lambda kw: [V4Layer(config, i, **kw) for i in range(config.num_hidden_layers)],
+                         rngs=rngs, dtype=dtype, param_dtype=param_dtype, norm_weight_in_fp32=True)
+        self.norm.keep_fp32 = True
+        self.hc_head = HyperHead(config, rngs=rngs)
+        self.head = nnx.data(self.lm_head)  # transformers writes the LM head as top-level `head.weight`
+        self.lm_head = nnx.data(None)
+
+    def rope(self, positions: jax.Array) -> dict[str, tuple[jax.Array, jax.Array]]:
+        c = self.config
+        return {"main": c.rope_tables(positions, compressed=False),
+                "compress": c.rope_tables(positions, compressed=True)}
+
+    def streams_in(self, x: jax.Array) -> jax.Array:
+        return jnp.broadcast_to(x[:, :, None, :], (*x.shape[:2], self.config.hc_mult, x.shape[-1]))
+
+    def streams_out(self, x: jax.Array) -> jax.Array:
+        return self.hc_head(x)
+
+    def lm_logits(self, x: jax.Array) -> jax.Array:
+        return self.embed_tokens.attend(x) if self.head is None else self.head(x)
+
+
+FAMILY = (DeepseekV4Config, DeepseekV4)  # registered by REGISTRY, at the top

@@ -1,0 +1,179 @@
+"""DeepSeek-V4 parity with transformers 5.25 `DeepseekV4ForCausalLM` (fp32, eager attention, highest matmul precision):
+a sliding-only, a CSA and an HCA layer on sequences longer than the window, both compression rates and the indexer's
+top-k (so every sparse and compressed path runs), mHC with perturbed weights, a hash-routed first layer (a random
+`tid2eid`), sqrt-softplus routing and clamped SwiGLU; the KV cache (sliding keys and the compressors' per-token
+projections) in decode and `generate`; our save -> transformers load; the config spellings (docs/models/deepseek-v4.md).
+
+Tiny config: hidden 64, 4 heads of 32 (16 rotated), q_lora 32, 2 streams, window 8, CSA m=4 keeping the top 3 of
+its entries with an 8-head indexer of 16 dims, HCA m=8, 8 experts of 32 (top-2), o_groups 2 × 16; 24 tokens (6 CSA
+entries, 3 HCA entries).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+from parity_helpers import build_from_config, decode_logits, hf_logits, hf_reload_logits, rel_err
+from safetensors.numpy import load_file
+
+from models import generate, jit_forward
+from models.deepseek_v4 import CSA, HCA, SLIDING, DeepseekV4, DeepseekV4Config, HashRouter, V4Router
+from models.hf import from_pretrained, save_pretrained
+
+pytestmark = pytest.mark.parity
+V, E, TOPK = 128, 8, 3
+TYPES = [SLIDING, CSA, HCA]
+TINY = dict(vocab_size=V, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=3, num_attention_heads=4,
+            head_dim=32, q_lora_rank=32, num_experts_per_tok=2, n_routed_experts=E, partial_rotary_factor=0.5,
+            layer_types=TYPES, compress_rates={CSA: 4, HCA: 8}, hc_mult=2, sliding_window=8, o_groups=2,
+            o_lora_rank=16, index_n_heads=8, index_head_dim=16, index_topk=TOPK,
+            mlp_layer_types=["hash_moe", "moe", "moe"], max_position_embeddings=512, rms_norm_eps=1e-5,
+            swiglu_limit=0.05)
+IDS = np.random.default_rng(0).integers(0, V, (2, 24)).astype(np.int32)  # 24 > window, 2·m_HCA, 4·TOPK
+
+
+def build(config: transformers.DeepseekV4Config, seed: int = 0) -> transformers.PreTrainedModel:
+    """build_from_config, plus what it leaves at its constant init: a random distinct-expert `tid2eid`, the
+    compressors' position biases, and mHC weights large enough that the streams differ."""
+    hf = build_from_config(config, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in list(hf.named_parameters()) + list(hf.named_buffers()):
+            if name.endswith("tid2eid"):
+                p.copy_(torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(p.shape[0])]))
+            elif name.endswith("position_bias"):
+                p.copy_(torch.randn(p.shape, generator=g))
+            elif name.endswith(("hc.base", "hc_base")):
+                p.copy_(0.5 * torch.randn(p.shape, generator=g))
+            elif name.endswith(("hc.scale", "hc_scale")):
+                p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g))
+            elif name.endswith(("hc.fn", "hc_fn")):
+                p.mul_(10)
+    return hf
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    """(transformers model, its folder, our model loaded from it, transformers' logits on IDS)."""
+    hf = build(transformers.DeepseekV4Config(**TINY))
+    path = tmp_path_factory.mktemp("dsv4")
+    hf.save_pretrained(path)
+    return hf, path, from_pretrained(str(path)), hf_logits(hf, IDS)
+
+
+def with_config(src, dst, **changes) -> str:
+    """A copy of checkpoint folder `src` at `dst` with config.json keys changed (None deletes a key)."""
+    dst.mkdir()
+    (dst / "model.safetensors").symlink_to(src / "model.safetensors")
+    d = json.loads((src / "config.json").read_text())
+    d.update({k: v for k, v in changes.items() if v is not None})
+    for k in [k for k, v in changes.items() if v is None]:
+        d.pop(k, None)
+    (dst / "config.json").write_text(json.dumps(d))
+    return str(dst)
+
+
+def test_logits_match_transformers_and_every_path_matters(ckpt, tmp_path):
+    hf, path, ours, ref = ckpt
+    assert isinstance(ours, DeepseekV4) and [l.attn.kind for l in ours.layers] == TYPES
+    assert [type(l.ffn.gate) for l in ours.layers] == [HashRouter, V4Router, V4Router]
+    err = rel_err(jit_forward(ours)(jnp.asarray(IDS)), ref)
+    print(f"DeepSeek-V4 fp32 logits vs transformers: max rel err {err:.2e}")
+    assert err <= 1e-5
+    # the same weights with every compressed entry kept, a window past the length, no clamp: other logits on
+    # both sides, equal to each other (the sparse selection, the window and the clamp each change the model)
+    for change in (dict(index_topk=IDS.shape[1]), dict(sliding_window=IDS.shape[1]), dict(swiglu_limit=100.0)):
+        other = with_config(path, tmp_path / next(iter(change)), **change)
+        logits = np.asarray(jit_forward(from_pretrained(other))(jnp.asarray(IDS)))
+        assert rel_err(logits, hf_reload_logits(other, IDS)) <= 1e-5, change
+        assert rel_err(logits, ref) > 1e-3, change
+
+
+def test_save_has_transformers_tensors_and_loads_back(ckpt, tmp_path):
+    hf, path, ours, ref = ckpt
+    save_pretrained(ours, str(tmp_path / "ours"))
+    theirs, mine = load_file(path / "model.safetensors"), load_file(tmp_path / "ours" / "model.safetensors")
+    for name in ("model.layers.1.attn.indexer.compressor.ape", "model.layers.0.ffn.gate.tid2eid", "head.weight",
+                 "model.layers.2.ffn.experts.7.w3.weight", "model.hc_head.hc_fn", "model.layers.1.hc_ffn_scale"):
+        assert name in theirs, name
+    assert {k: v.shape for k, v in mine.items()} == {k: v.shape for k, v in theirs.items()}
+    for key, value in theirs.items():
+        assert mine[key].dtype == value.dtype and np.array_equal(mine[key], value), key
+    assert rel_err(hf_reload_logits(str(tmp_path / "ours"), IDS), ref) <= 1e-5
+    assert from_pretrained(str(tmp_path / "ours")).config == ours.config
+
+
+def test_cached_decoding_and_generate_equal_the_full_forward(ckpt):
+    """Prefill 5 tokens (inside the first CSA window's successor, before any HCA window closes), then one token at
+    a time through the cache (the entries are rebuilt from the cached projections), and `generate` (greedy)
+    emitting the full forward's argmax at every step past the window and both compression rates."""
+    _, _, ours, ref = ckpt
+    assert rel_err(decode_logits(ours, IDS, split=5), ref) <= 1e-5  # windows close at 7, 11, 15, 19, 23 as it goes
+    prompt = IDS[:, :5]
+    out = generate(ours, jnp.asarray(prompt), max_new_tokens=14)
+    tokens = np.asarray(out.tokens)
+    for row in range(2):
+        seq = np.concatenate([prompt[row], tokens[row]])[None]  # [1, 19]
+        full = np.asarray(jit_forward(ours)(jnp.asarray(seq)))[0, 4:-1]  # [14, V]
+        assert seq.shape[1] > 2 * 8
+        assert np.array_equal(full.argmax(-1), tokens[row]), row
+        top2 = np.sort(full, axis=-1)[:, -2:]
+        assert np.all(top2[:, 1] - top2[:, 0] > 1e-4)  # no near-tie the ≤ 1e-5 logit error could flip
+
+
+def test_config_spellings_and_refusals(ckpt, tmp_path):
+    _, path, ours, ref = ckpt
+    c = ours.config
+    assert DeepseekV4Config.from_hf(c.to_hf()) == c
+    back = transformers.DeepseekV4Config(**c.to_hf())  # transformers builds the same model from our to_hf
+    want = transformers.DeepseekV4Config(**TINY)
+    for key in ("layer_types", "mlp_layer_types", "compress_rates", "rope_parameters", "qk_rope_head_dim",
+                "index_topk", "sliding_window", "hc_mult"):
+        assert getattr(back, key) == getattr(want, key), key
+    # the published (legacy) spelling transformers folds in: per-layer compress_ratios, num_hash_layers,
+    # qk_rope_head_dim, compress_rate_csa / _hca, a flat rope_scaling for the compressed layers
+    yarn = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16, "beta_fast": 32, "beta_slow": 1}
+    legacy = with_config(path, tmp_path / "legacy", layer_types=None, mlp_layer_types=None, compress_rates=None,
+                         rope_parameters=None, partial_rotary_factor=None, dtype=None, torch_dtype="float32",
+                         compress_ratios=[0, 4, 128], compress_rate_hca=8, num_hash_layers=1, qk_rope_head_dim=16,
+                         rope_theta=10000.0, rope_scaling=yarn)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(legacy, attn_implementation="eager",
+                                                               dtype=torch.float32).eval()
+    assert theirs.config.layer_types == TYPES and theirs.config.compress_rates[HCA] == 8
+    mine = from_pretrained(legacy)
+    assert mine.config.mlp_layer_types == ("hash_moe", "moe", "moe") and mine.config.rope_scaling["factor"] == 4.0
+    yarn_ref = hf_logits(theirs, IDS)
+    assert rel_err(jit_forward(mine)(jnp.asarray(IDS)), yarn_ref) <= 1e-5
+    assert rel_err(yarn_ref, ref) > 1e-3  # YaRN on the compressed layers' RoPE changes the model
+    assert DeepseekV4Config.from_hf(mine.config.to_hf()) == mine.config
+    for bad, match in ((dict(layer_types=(SLIDING,)), "layer_types"), (dict(num_key_value_heads=2), "num_key_val"),
+                       (dict(scoring_func="softmax"), "scoring_func"), (dict(qk_rope_head_dim=40), "qk_rope_head_dim"),
+                       (dict(n_shared_experts=2), "n_shared_experts")):
+        with pytest.raises((ValueError, NotImplementedError), match=match):
+            dataclasses.replace(c, **bad)
+    with pytest.raises(ValueError, match="compress_ratios"):
+        DeepseekV4Config.from_hf({**c.to_hf(), "layer_types": None, "compress_ratios": [0, 4, 64]})
+    tiny = DeepseekV4Config.tiny()
+    assert tiny.index_topk < 20 and DeepseekV4(tiny, rngs=__import__("flax").nnx.Rngs(0)).config is tiny
+    flash = DeepseekV4Config.deepseek_v4_flash()
+    assert flash.layer_types[:3] == (HCA, HCA, HCA) and flash.layer_types[3] == CSA
+    assert transformers.DeepseekV4Config(**flash.to_hf()).rope_parameters["compress"]["factor"] == 16.0
+
+
+def test_quantization_refuses_the_family(ckpt):
+    """No fold, calibration or export path has been checked on V4's clamped experts, compressed attention and
+    streams: every scheme refuses the model by name instead of writing something transformers would not load."""
+    from models import quant
+
+    model = from_pretrained(str(ckpt[1]))
+    ids = IDS[:1, :16]
+    for scheme, opts in (("w4a16-awq-g16", {}), ("int8", {"rotate": "hadamard"})):
+        with pytest.raises(ValueError, match="DeepSeek-V4 .* not supported by quantization"):
+            quant.quantize_model(model, quant.parse_scheme(scheme), [(ids, np.ones_like(ids))],
+                                 opts=quant.Options(**opts))
