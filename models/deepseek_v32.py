@@ -23,6 +23,10 @@ With a KV cache the MLA cache keeps the latent in `cache.k` and stores [rope key
 `cache.v` ([L, B, 1, S, R + DI]), so the indexer scores every cached token without recomputing its key, and
 everything that moves cache slots (rollback, speculative tree compaction, repeated samples) moves both.
 
+Training: the indexer reads its inputs detached and its top-k carries no gradient, so the task loss never reaches
+it; with `indexer_kl` set (the trainer's `finetune.indexer.mode: kl`) each layer sows the indexer's KL objective
+(`DSAttention.kl_objective`, DeepSeek-V3.2 https://arxiv.org/abs/2512.02556), which trains the indexer alone.
+
 Shape legend: B batch, T length, S key length (cache length with a cache), D model, N heads, P nope dim,
 R rope dim, Vd value dim, C kv latent, Q q latent, H indexer heads, DI indexer head dim, k index_topk.
 """
@@ -270,18 +274,19 @@ class DSAttention(MLAttention):
     def index(self, x: jax.Array, q_latent: jax.Array, ctx: Context) -> tuple[Any, jax.Array]:
         """x [B, T, D], q_latent [B, T, Q] -> (the indexer's (queries, head weights)), its keys [B, T, DI]). The
         indexer reads its inputs detached: the top-k selection carries no gradient anyway, and its KL objective
-        then trains the indexer alone (DeepSeek-V3.2, arXiv 2512.02556 §2.1)."""
+        then trains the indexer alone (DeepSeek-V3.2, https://arxiv.org/abs/2512.02556, continued pre-training)."""
         x, q_latent = jax.lax.stop_gradient(x), jax.lax.stop_gradient(q_latent)
         q, w, k = self.indexer.project(x, q_latent, ctx)
         return (q, w), k
 
     def kl_objective(self, query: Any, keys: jax.Array, q_nope: jax.Array, q_rot: jax.Array, latent: jax.Array,
                      k_rot: jax.Array, mask: jax.Array) -> jax.Array:
-        """The indexer's training objective (DeepSeek-V3.2, arXiv 2512.02556 §2.1): per query t, the main
-        attention's probabilities summed over heads and L1-normalised over the keys of `mask` [B, T, S] (p_t,
-        a constant) against the softmax of the index scores over the same keys: Σ_s p_ts (log p_ts - log
-        softmax(I_t)_s), averaged over the queries that see a key (padding queries see none). Inputs as
-        `expanded`'s; gradient only to the indexer (its inputs are detached in `index`). -> fp32 scalar."""
+        """The indexer's training objective (DeepSeek-V3.2, https://arxiv.org/abs/2512.02556, continued
+        pre-training): per query t, the main attention's probabilities summed over heads and L1-normalised over
+        the keys of `mask` [B, T, S] (p_t, a constant) against the softmax of the index scores over the same
+        keys: Σ_s p_ts (log p_ts - log softmax(I_t)_s), averaged over the queries that see a key (padding queries
+        see none). Inputs as `expanded`'s; gradient only to the indexer (its inputs are detached in `index`).
+        The target recomputes the attention's [B, N, T, S] probabilities (no fused kernel). -> fp32 scalar."""
         B, T, N, P = q_nope.shape
         R = self.rope_dim
         kv = self.kv_b_proj(latent).reshape(B, T, N, -1)  # [B, T, N, P+Vd]

@@ -1,9 +1,9 @@
 """A DSA model's lightning indexer in fine-tuning (`finetune.indexer`, tasks/training/config.py `IndexerConfig`):
 which parameters train, checked against the model and the LoRA adapters.
 
-DeepSeek-V3.2 (https://arxiv.org/abs/2512.02556, §2.1) trains the indexer only by its own KL objective, on
-detached inputs, and the main model only by the language-modelling loss; the top-k selection gives the task loss
-no gradient into the indexer either. So:
+DeepSeek-V3.2 (https://arxiv.org/abs/2512.02556, continued pre-training) trains the indexer only by its own KL
+objective, on detached inputs, and the main model only by the language-modelling loss; the top-k selection gives
+the task loss no gradient into the indexer either. So:
 
 * `frozen`: full fine-tuning differentiates every `nnx.Param` but the indexer's (else weight decay alone would
   move them); LoRA must adapt none of its projections (they would stay at their init, B = 0).
