@@ -45,7 +45,7 @@ def trainable(model: nnx.Module, mode: str, indexer: IndexerConfig) -> Any:
                              "which finetune.indexer.mode frozen keeps frozen (set it to kl to train them)")
         if indexer.mode == "kl" and not on_indexer:
             raise ValueError("finetune.lora_targets: match none of the DSA indexer's projections, so "
-                             f"finetune.indexer.mode kl would train nothing (add {INDEXER[0]!r})")
+                             f"finetune.indexer.mode kl would train nothing (add the INDEXER preset: {INDEXER[0]})")
         return nnx.LoRAParam
     if dsa and indexer.mode == "frozen":
         return nnx.All(nnx.Param, nnx.Not(nnx.PathContains("indexer")))
