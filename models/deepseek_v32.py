@@ -279,19 +279,15 @@ class DSAttention(MLAttention):
         q, w, k = self.indexer.project(x, q_latent, ctx)
         return (q, w), k
 
-    def kl_objective(self, query: Any, keys: jax.Array, q_nope: jax.Array, q_rot: jax.Array, latent: jax.Array,
-                     k_rot: jax.Array, mask: jax.Array) -> jax.Array:
+    def kl_objective(self, query: Any, keys: jax.Array, q: jax.Array, k: jax.Array, mask: jax.Array) -> jax.Array:
         """The indexer's training objective (DeepSeek-V3.2, https://arxiv.org/abs/2512.02556, continued
         pre-training): per query t, the main attention's probabilities summed over heads and L1-normalised over
         the keys of `mask` [B, T, S] (p_t, a constant) against the softmax of the index scores over the same
         keys: Σ_s p_ts (log p_ts - log softmax(I_t)_s), averaged over the queries that see a key (padding queries
-        see none). Inputs as `expanded`'s; gradient only to the indexer (its inputs are detached in `index`).
+        see none). `query` and `keys` are the indexer's (`index`), q and k [B, T, N, P+R] the attention's
+        (`expand`); gradient only to the indexer (its inputs are detached in `index`, the target is a constant).
         The target recomputes the attention's [B, N, T, S] probabilities (no fused kernel). -> fp32 scalar."""
-        B, T, N, P = q_nope.shape
-        R = self.rope_dim
-        kv = self.kv_b_proj(latent).reshape(B, T, N, -1)  # [B, T, N, P+Vd]
-        k = jnp.concatenate([kv[..., :P], jnp.broadcast_to(k_rot, (B, T, N, R))], axis=-1)  # [B, T, N, P+R]
-        q = jnp.concatenate([q_nope, q_rot], axis=-1)  # [B, T, N, P+R]
+        q, k = jax.lax.stop_gradient((q, k))
         logits = jnp.einsum("btnd,bsnd->bnts", q, k).astype(jnp.float32) * self.scale  # [B, N, T, S]
         probs = jax.nn.softmax(jnp.where(mask[:, None], logits, NEG_INF), axis=-1)  # [B, N, T, S]
         p = jnp.where(mask, probs.sum(axis=1), 0.0)  # [B, T, S]: summed over heads
@@ -317,11 +313,11 @@ class DSAttention(MLAttention):
         if cache is None:
             causal = mask
             mask = self.restrict(query, index_k, mask, ctx)
-            out = self.expanded(q_nope, q_rot, latent, k_rot, mask, ctx.causal)
+            q, k, v = self.expand(q_nope, q_rot, latent, k_rot)  # [B, T, N, ·]
+            out = self.expanded(q, k, v, mask, ctx.causal)
             if self.indexer_kl is not None and query is not None:  # a GLM-5 shared layer has no indexer to train
                 over = causal if self.indexer_kl == "dense" else mask
-                self.sow(nnx.Intermediate, INDEXER_KL, self.kl_objective(query, index_k, q_nope, q_rot, latent,
-                                                                          k_rot, over))
+                self.sow(nnx.Intermediate, INDEXER_KL, self.kl_objective(query, index_k, q, k, over))
         else:
             keys = jnp.concatenate([k_rot, index_k[:, :, None, :].astype(k_rot.dtype)], axis=-1)  # [B, T, 1, R+DI]
             cache = cache.write(layer, ctx.slots, latent[:, :, None, :], keys)
