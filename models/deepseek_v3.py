@@ -445,15 +445,20 @@ class MLAttention(nnx.Module):
         cos, sin = ctx.rope
         return q_latent, q[..., :P], self.rotate(q[..., P:], cos, sin), latent, self.rotate(k_rot, cos, sin)
 
-    def expanded(self, q_nope: jax.Array, q_rot: jax.Array, latent: jax.Array, k_rot: jax.Array, mask: jax.Array,
-                 causal: bool) -> jax.Array:
-        """Attention with per-head keys and values expanded from this call's latent (no cache): [B, T, N, Vd]."""
+    def expand(self, q_nope: jax.Array, q_rot: jax.Array, latent: jax.Array, k_rot: jax.Array
+               ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Per-head queries, keys and values from this call's latent: (q [B, T, N, P+R], k [B, T, N, P+R],
+        v [B, T, N, Vd])."""
         B, T, N, P = q_nope.shape
         R, Vd = self.rope_dim, self.v_dim
         kv = self.kv_b_proj(latent).reshape(B, T, N, P + Vd)  # [B, T, N, P+Vd]
         k = jnp.concatenate([kv[..., :P], jnp.broadcast_to(k_rot, (B, T, N, R))], axis=-1)  # [B, T, N, P+R]
         q = jnp.concatenate([q_nope, q_rot], axis=-1)  # [B, T, N, P+R]
-        return attention(q, k.transpose(0, 2, 1, 3), kv[..., P:].transpose(0, 2, 1, 3), mask, causal=causal,
+        return q, k, kv[..., P:]
+
+    def expanded(self, q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, causal: bool) -> jax.Array:
+        """Attention over `expand`'s per-head q, k, v (no cache): [B, T, N, Vd]."""
+        return attention(q, k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), mask, causal=causal,
                          scale=self.scale)  # [B, T, N, Vd]
 
     def absorbed(self, q_nope: jax.Array, q_rot: jax.Array, c_kv: jax.Array, k_pe: jax.Array,
@@ -475,7 +480,7 @@ class MLAttention(nnx.Module):
         _, q_nope, q_rot, latent, k_rot = self.project(x, ctx)
         mask = ctx.mask(window)
         if cache is None:  # expanded: per-head keys and values from the latent
-            out = self.expanded(q_nope, q_rot, latent, k_rot, mask, ctx.causal)
+            out = self.expanded(*self.expand(q_nope, q_rot, latent, k_rot), mask, ctx.causal)
         else:  # absorbed: the cache holds the latent and the rope key
             cache = cache.write(layer, ctx.slots, latent[:, :, None, :], k_rot)
             out = self.absorbed(q_nope, q_rot, cache.k[layer], cache.v[layer], mask)

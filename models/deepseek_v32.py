@@ -23,6 +23,10 @@ With a KV cache the MLA cache keeps the latent in `cache.k` and stores [rope key
 `cache.v` ([L, B, 1, S, R + DI]), so the indexer scores every cached token without recomputing its key, and
 everything that moves cache slots (rollback, speculative tree compaction, repeated samples) moves both.
 
+Training: the indexer reads its inputs detached and its top-k carries no gradient, so the task loss never reaches
+it; with `indexer_kl` set (the trainer's `finetune.indexer.mode: kl`) each layer sows the indexer's KL objective
+(`DSAttention.kl_objective`, DeepSeek-V3.2 https://arxiv.org/abs/2512.02556), which trains the indexer alone.
+
 Shape legend: B batch, T length, S key length (cache length with a cache), D model, N heads, P nope dim,
 R rope dim, Vd value dim, C kv latent, Q q latent, H indexer heads, DI indexer head dim, k index_topk.
 """
@@ -41,7 +45,7 @@ from models.decoder import Context
 from models.deepseek_v3 import DeepseekV3, DeepseekV3Config, MLAttention
 from models.flops import LayerFlops
 from models.generate import KVCache
-from models.layers import Linear, apply_rope, param
+from models.layers import NEG_INF, Linear, apply_rope, param
 
 ARCHITECTURE = "DeepseekV32ForCausalLM"
 # the registry record (models/families.py): HF architecture -> the config.json model_types it ships with
@@ -49,6 +53,7 @@ REGISTRY = {"DeepseekV32ForCausalLM": ("deepseek_v32",)}
 MODEL_TYPES = REGISTRY[ARCHITECTURE]
 INDEX_NORM_EPS = 1e-6  # the indexer's k_norm (nn.LayerNorm(eps=1e-6) in transformers and the reference)
 MLP_LAYER_TYPES = ("dense", "sparse")
+INDEXER_KL = "indexer_kl"  # the name a DSA layer sows its indexer's KL objective under (tasks/training/losses.py)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -227,17 +232,21 @@ class Indexer(nnx.Module):
         """x [B, T, N, DI] with its first R dims rotated in NeoX halves (V3.2; GLM-5 rotates interleaved pairs)."""
         return apply_rope(x, cos, sin)
 
+    def scores(self, q: jax.Array, weights: jax.Array, k: jax.Array) -> jax.Array:
+        """q [B, T, H, DI], weights [B, T, H], keys k [B, S, DI] -> the index scores I [B, T, S] =
+        Σ_h w_h · relu(q_h · k · DI^-0.5), in fp32 (unmasked)."""
+        scores = jnp.einsum("bthd,bsd->bths", q.astype(jnp.float32), k.astype(jnp.float32))  # [B, T, H, S]
+        scores = jax.nn.relu(scores * self.head_dim**-0.5)
+        return jnp.einsum("bth,bths->bts", weights, scores)  # [B, T, S]
+
     def select(self, q: jax.Array, weights: jax.Array, k: jax.Array, mask: jax.Array) -> jax.Array:
         """q [B, T, H, DI], weights [B, T, H], keys k [B, S, DI], mask [B, T, S] (True = visible) -> mask [B, T, S]
         restricted to each query's `index_topk` highest-scoring visible keys (all of them while fewer are
-        visible; the score is Σ_h w_h · relu(q_h · k · DI^-0.5), in fp32)."""
+        visible; the score is `scores`)."""
         B, T, S = mask.shape
         if self.index_topk >= S:  # transformers keeps min(index_topk, S) keys: here every visible one
             return mask
-        scores = jnp.einsum("bthd,bsd->bths", q.astype(jnp.float32), k.astype(jnp.float32))  # [B, T, H, S]
-        scores = jax.nn.relu(scores * self.head_dim**-0.5)
-        index = jnp.einsum("bth,bths->bts", weights, scores)  # [B, T, S]
-        index = jnp.where(mask, index, -jnp.inf)
+        index = jnp.where(mask, self.scores(q, weights, k), -jnp.inf)  # [B, T, S]
         _, top = jax.lax.top_k(index, self.index_topk)  # [B, T, k]
         rows, cols = jnp.arange(B)[:, None, None], jnp.arange(T)[None, :, None]
         keep = jnp.zeros((B, T, S), bool).at[rows, cols, top].set(True)  # [B, T, S]
@@ -256,13 +265,38 @@ class DSAttention(MLAttention):
                  with_indexer: bool = True):
         super().__init__(config, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
         self.index_dim = config.index_head_dim
+        # the trainer sets it (tasks/training/trainer.py): sow the indexer's KL objective, over the keys each
+        # query attends to ("sparse") or over every causal key ("dense"); None: no objective
+        self.indexer_kl: str | None = None
         if with_indexer:
             self.indexer = self.indexer_cls(config, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
 
     def index(self, x: jax.Array, q_latent: jax.Array, ctx: Context) -> tuple[Any, jax.Array]:
-        """x [B, T, D], q_latent [B, T, Q] -> (the indexer's (queries, head weights)), its keys [B, T, DI])."""
+        """x [B, T, D], q_latent [B, T, Q] -> (the indexer's (queries, head weights)), its keys [B, T, DI]). The
+        indexer reads its inputs detached: the top-k selection carries no gradient anyway, and its KL objective
+        then trains the indexer alone (DeepSeek-V3.2, https://arxiv.org/abs/2512.02556, continued pre-training)."""
+        x, q_latent = jax.lax.stop_gradient(x), jax.lax.stop_gradient(q_latent)
         q, w, k = self.indexer.project(x, q_latent, ctx)
         return (q, w), k
+
+    def kl_objective(self, query: Any, keys: jax.Array, q: jax.Array, k: jax.Array, mask: jax.Array) -> jax.Array:
+        """The indexer's training objective (DeepSeek-V3.2, https://arxiv.org/abs/2512.02556, continued
+        pre-training): per query t, the main attention's probabilities summed over heads and L1-normalised over
+        the keys of `mask` [B, T, S] (p_t, a constant) against the softmax of the index scores over the same
+        keys: Σ_s p_ts (log p_ts - log softmax(I_t)_s), averaged over the queries that see a key (padding queries
+        see none). `query` and `keys` are the indexer's (`index`), q and k [B, T, N, P+R] the attention's
+        (`expand`); gradient only to the indexer (its inputs are detached in `index`, the target is a constant).
+        The target recomputes the attention's [B, N, T, S] probabilities (no fused kernel). -> fp32 scalar."""
+        q, k = jax.lax.stop_gradient((q, k))
+        logits = jnp.einsum("btnd,bsnd->bnts", q, k).astype(jnp.float32) * self.scale  # [B, N, T, S]
+        probs = jax.nn.softmax(jnp.where(mask[:, None], logits, NEG_INF), axis=-1)  # [B, N, T, S]
+        p = jnp.where(mask, probs.sum(axis=1), 0.0)  # [B, T, S]: summed over heads
+        p = jax.lax.stop_gradient(p / jnp.maximum(p.sum(axis=-1, keepdims=True), 1e-30))  # L1-normalised
+        index = jnp.where(mask, self.indexer.scores(*query, keys), NEG_INF)  # [B, T, S]
+        log_q = jax.nn.log_softmax(index, axis=-1)  # [B, T, S]
+        kl = jnp.sum(jnp.where(mask & (p > 0), p * (jnp.log(jnp.where(p > 0, p, 1.0)) - log_q), 0.0), axis=-1)
+        seen = mask.any(axis=-1)  # [B, T]
+        return jnp.sum(jnp.where(seen, kl, 0.0)) / jnp.maximum(seen.sum(), 1)
 
     def restrict(self, query: Any, keys: jax.Array, mask: jax.Array, ctx: Context) -> jax.Array:
         """mask [B, T, S] restricted to each query's top-k keys among `keys` [B, S, DI] (see Indexer.select)."""
@@ -277,8 +311,13 @@ class DSAttention(MLAttention):
         query, index_k = self.index(x, q_latent, ctx)  # index_k [B, T, DI]
         mask = ctx.mask(window)  # [B, T, S]
         if cache is None:
+            causal = mask
             mask = self.restrict(query, index_k, mask, ctx)
-            out = self.expanded(q_nope, q_rot, latent, k_rot, mask, ctx.causal)
+            q, k, v = self.expand(q_nope, q_rot, latent, k_rot)  # [B, T, N, ·]
+            out = self.expanded(q, k, v, mask, ctx.causal)
+            if self.indexer_kl is not None and query is not None:  # a GLM-5 shared layer has no indexer to train
+                over = causal if self.indexer_kl == "dense" else mask
+                self.sow(nnx.Intermediate, INDEXER_KL, self.kl_objective(query, index_k, q, k, over))
         else:
             keys = jnp.concatenate([k_rot, index_k[:, :, None, :].astype(k_rot.dtype)], axis=-1)  # [B, T, 1, R+DI]
             cache = cache.write(layer, ctx.slots, latent[:, :, None, :], keys)

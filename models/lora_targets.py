@@ -12,3 +12,8 @@ ALL_LINEAR = (
     r".*\.mlp\.shared_experts\.(gate_proj|up_proj|down_proj)",
     r".*\.mlp\.experts",
 )
+
+# A DSA model's lightning indexer (DeepSeek-V3.2, GLM-5): its query, key and head-weight projections. Not in
+# ALL_LINEAR: the task loss gives them no gradient (the top-k selection is not differentiable), only the
+# indexer's own KL objective does (`finetune.indexer.mode: kl`, which needs these targets in LoRA mode).
+INDEXER = (r".*\.self_attn\.indexer\.(wq_b|wk|weights_proj)",)

@@ -24,7 +24,7 @@ from models.quant.schemes import parse_scheme
 from tasks.data.corpora import SPECIAL_TOKENS
 from tasks.gates import Gates
 from tasks.resources import CPU, GPU, ExecutionConfig, KubernetesGangConfig, StageResources  # noqa: F401 (re-exported)
-from tasks.training.config import TrainConfig
+from tasks.training.config import IndexerConfig, TrainConfig
 
 T = TypeVar("T")
 
@@ -228,7 +228,9 @@ class FinetuneConfig(BaseModel):
     `method: sft` trains next-token cross entropy on the packed rows; `dpo` preference optimisation on
     the data's chosen / rejected pairs (`preference`: DPO or SimPO); `grpo` RL with verifiable rewards on
     the data's prompts (`grpo`: group size, checker, clip, KL); `distill` a smaller student (the base's layers
-    `distill.student_layers`) on the base's top-k logits over its own answers (`distill`: DistillConfig)."""
+    `distill.student_layers`) on the base's top-k logits over its own answers (`distill`: DistillConfig).
+    `indexer`: a DSA model's (DeepSeek-V3.2, GLM-5) lightning indexer, frozen (the default) or trained by its KL
+    objective (IndexerConfig); the default `lora_targets` leave its projections out (models/lora_targets.py)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -249,6 +251,7 @@ class FinetuneConfig(BaseModel):
     lora_alpha: float = Field(32.0, gt=0)
     lora_dropout: float = Field(0.0, ge=0, lt=1)
     lora_targets: tuple[str, ...] = ALL_LINEAR
+    indexer: IndexerConfig = IndexerConfig()  # a DSA model's lightning indexer: frozen, or trained by its KL
     train: TrainConfig = TrainConfig(steps=150, learning_rate=2e-3, warmup_steps=10, checkpoint_every=50)
 
     @property

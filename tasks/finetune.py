@@ -33,7 +33,7 @@ from tasks.configs import FinetuneConfig
 from tasks.layout import model_dir
 from tasks.methods.run import Run
 from tasks.stage import StageContext
-from tasks.training import methods
+from tasks.training import indexer, methods
 from tasks.training.checkpoints import Checkpoints
 from tasks.training.distributed import is_primary
 from tasks.training.loop import Progress
@@ -67,7 +67,8 @@ def finetune(
     if cfg.mode == "lora":
         lora.apply_lora(model, rank=cfg.lora_rank, alpha=cfg.lora_alpha, targets=cfg.lora_targets,
                         dropout=cfg.lora_dropout, rngs=nnx.Rngs(cfg.train.seed))
-    trainable = nnx.LoRAParam if cfg.mode == "lora" else nnx.Param
+    # a DSA model's indexer: frozen, or trained by its KL objective (tasks/training/indexer.py)
+    trainable = indexer.trainable(model, cfg.mode, cfg.indexer)
     extra: dict[str, Any] = {}
     if cfg.sft_steps:  # SFT first: the method (and its reference) start from the SFT model
         model, extra["sft"] = run.sft(model, cfg.sft_config, trainable, label=f"finetune[sft,{cfg.mode}]")

@@ -39,8 +39,10 @@ class Run:
     progress: Progress | None = None
 
     def trainer(self, model: nnx.Module, trainable: Any, **objective: Any) -> Trainer:
-        """A Trainer on this run's mesh with `train`'s settings; `objective`: its loss_fn / eval_fn / count_fn."""
-        return Trainer(model, self.cfg.train, trainable=trainable, mesh=self.mesh, **objective)
+        """A Trainer on this run's mesh with `train`'s settings and the DSA indexer's treatment (`indexer`);
+        `objective`: its loss_fn / eval_fn / count_fn."""
+        return Trainer(model, self.cfg.train, trainable=trainable, mesh=self.mesh, indexer=self.cfg.indexer,
+                       **objective)
 
     def fit(self, trainer: Trainer, data_dir: Path, *, label: str, **kwargs: Any) -> dict[str, Any]:
         """`tasks.training.loop.fit` with this run's checkpoints, progress and TensorBoard folder (`kwargs`:
@@ -52,7 +54,7 @@ class Run:
             label: str) -> tuple[nnx.Module, dict[str, Any]]:
         """Plain SFT of `model` on the data's packed rows with `cfg`, checkpointed apart (`sft_checkpoints`,
         TensorBoard under `sft/`): (the trained model, its summary, `SFT_SUMMARY`)."""
-        sft = Trainer(model, cfg, trainable=trainable, mesh=self.mesh)
+        sft = Trainer(model, cfg, trainable=trainable, mesh=self.mesh, indexer=self.cfg.indexer)
         m = fit(sft, self.data_dir, checkpoints=self.sft_checkpoints, progress=self.progress, label=label,
                 logdir=self.out_dir / "tensorboard" / "sft")
         return sft.model(), {k: m[k] for k in SFT_SUMMARY}

@@ -23,9 +23,10 @@ the backward pass (models.decoder.REMAT_POLICIES).
 
 Modules, in the order a step meets them:
 
-    config.py        TrainConfig, MeshConfig (pydantic only: validated without importing JAX)
+    config.py        TrainConfig, MeshConfig, IndexerConfig (pydantic only: validated without importing JAX)
     data.py          PackedBatches: deterministic, per-process batches over packed Parquet rows
-    losses.py        next-token cross entropy (+ the MoE load-balancing loss); the LossFn contract
+    losses.py        next-token cross entropy (+ the sown auxiliary losses: MoE balance, DSA indexer KL); LossFn
+    indexer.py       a DSA model's indexer in fine-tuning: frozen, or trained by its KL (what trains)
     optimizers.py    the learning-rate schedule, AdamW and Muon, their masks
     trainer.py       Trainer: the mesh, the compiled train/eval steps, the split model state
     checkpoints.py   Checkpoints: orbax locally, uploaded to the store, committed by one pointer

@@ -28,6 +28,24 @@ class MeshConfig(BaseModel):
     rules: dict[str, str | list[str] | None] = {}  # overrides of models.sharding.RULES, logical -> mesh axes
 
 
+class IndexerConfig(BaseModel):
+    """How fine-tuning treats a DSA model's lightning indexer (DeepSeek-V3.2, GLM-5; `finetune.indexer`; a model
+    without one ignores it). `frozen`: its parameters get no update (full fine-tuning leaves them out of the
+    trained set; LoRA targets none of its projections). `kl`: trained by its own objective, the KL divergence
+    between the main attention's distribution (summed over heads, L1-normalised) and the softmax of its index
+    scores, with its inputs detached so that the KL updates the indexer alone (https://arxiv.org/abs/2512.02556,
+    continued pre-training; in LoRA mode through adapters on its projections, which `lora_targets` must then
+    name), added to the task loss with weight `kl_weight`. `form`: over the keys each query attends to, its
+    top-k (`sparse`, the paper's sparse training stage, which fine-tuning a DSA model continues) or over every
+    causal key (`dense`, the objective of its dense warm-up; the forward stays sparse)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    mode: Literal["frozen", "kl"] = "frozen"
+    form: Literal["sparse", "dense"] = "sparse"
+    kl_weight: float = Field(1.0, gt=0)
+
+
 class TrainConfig(BaseModel):
     """Optimisation settings shared by every training stage."""
 

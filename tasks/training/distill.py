@@ -32,7 +32,7 @@ from flax import nnx
 from models.pruning import check_layers, evenly_spaced
 from tasks.data.features import load_topk
 from tasks.training.data import PackedBatches
-from tasks.training.losses import with_moe_aux, xent_sum
+from tasks.training.losses import with_aux_losses, xent_sum
 
 
 def student_layers(layers: list[int] | None, num_layers: int) -> tuple[int, ...]:
@@ -70,7 +70,7 @@ def distill_objective(temperature: float, alpha: float) -> Callable[..., tuple[A
     """The Trainer's loss: (loss sum, the MoE balance loss, {kl, ce, top1_agreement} sums) per answer token."""
 
     def loss_fn(model: nnx.Module, batch: dict[str, jax.Array]) -> tuple[Any, ...]:
-        sums, aux = with_moe_aux(lambda m, b: _sums(m, b, temperature, alpha), model, batch)
+        sums, aux = with_aux_losses(lambda m, b: _sums(m, b, temperature, alpha), model, batch)
         return sums["loss"], aux, {k: sums[k] for k in ("kl", "ce", "top1_agreement")}
 
     return loss_fn

@@ -37,7 +37,7 @@ from models.generate import generate
 from tasks.checkers.registry import score_all
 from tasks.data.rows import prompts_from_rows
 from tasks.training.config import TrainingDiverged
-from tasks.training.losses import with_moe_aux
+from tasks.training.losses import with_aux_losses
 from tasks.training.tensorboard import TensorBoardWriter
 
 log = logging.getLogger("forgeline.grpo")
@@ -163,7 +163,7 @@ def grpo_objective(*, clip_eps: float, beta: float, loss_agg: LossAgg, temperatu
         return total, m
 
     def objective(model: nnx.Module, batch: dict[str, jax.Array]):
-        (total, m), aux = with_moe_aux(inner, model, batch)
+        (total, m), aux = with_aux_losses(inner, model, batch)
         # metrics are divided by the step's count like the loss: report them per completion token instead
         return total, aux, {k: m[k] for k in ("kl", "clip_fraction", "ratio", "tokens")}
 

@@ -1,23 +1,26 @@
-"""Training objectives: masked next-token cross entropy, plus the MoE load-balancing loss the layers sow.
+"""Training objectives: masked next-token cross entropy, plus the auxiliary losses the layers sow (the MoE
+load-balancing loss, a DSA indexer's KL objective).
 
-A `LossFn` maps (model, batch) to (the per-token loss summed over the batch's loss positions, an auxiliary
-loss); the train step divides the sum by the batch's target-token count. The EAGLE-3 draft plugs its own
+A `LossFn` maps (model, batch) to (the per-token loss summed over the batch's loss positions, the auxiliary
+losses); the train step divides the sum by the batch's target-token count. The EAGLE-3 draft plugs its own
 distillation loss in through the same contract (tasks/draft.py)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
 
-# A training objective: (model, batch) -> (sum of the per-token loss over the batch's loss positions, an
-# auxiliary loss added with weight `aux_loss_coef`[, {name: a metric summed like the loss}]). The step
-# divides the sums by the batch's count (`CountFn`: `loss_mask.sum()` unless the Trainer is given another)
-# and reports the metrics beside the loss.
+from models.deepseek_v32 import INDEXER_KL
+
+# A training objective: (model, batch) -> (sum of the per-token loss over the batch's loss positions, the
+# auxiliary losses (`AuxLosses`, or a scalar MoE loss) added with their weights[, {name: a metric summed like
+# the loss}]). The step divides the sums by the batch's count (`CountFn`: `loss_mask.sum()` unless the Trainer
+# is given another) and reports the metrics beside the loss.
 LossFn = Callable[[nnx.Module, dict[str, jax.Array]], tuple[jax.Array, ...]]
 CountFn = Callable[[dict[str, jax.Array]], jax.Array]
 # An eval objective: (model, batch) -> (loss sum, token count).
@@ -38,16 +41,29 @@ def xent_sum(model: nnx.Module, batch: dict[str, jax.Array]) -> tuple[jax.Array,
     return (ce * mask).sum(), mask.sum()
 
 
-def with_moe_aux(fn: Callable[..., Any], model: nnx.Module, batch: dict[str, jax.Array]) -> tuple[Any, jax.Array]:
-    """(`fn(model, batch)`, the MoE load-balancing loss averaged over the MoE layers; 0 for a dense model), the
-    latter captured from what the layers sow during this forward. Every objective that trains a policy
-    (SFT, DPO, GRPO) reports it this way."""
+class AuxLosses(NamedTuple):
+    """What the layers sow during a training forward: `moe`, the MoE load-balancing loss averaged over the MoE
+    layers (0 for a dense model), and `indexer_kl`, the DSA indexers' KL objective averaged over the layers that
+    compute it (models/deepseek_v32.py `DSAttention.kl_objective`; 0 unless the trainer trains the indexers).
+    The train step weighs them by `train.aux_loss_coef` and `finetune.indexer.kl_weight`."""
+
+    moe: jax.Array
+    indexer_kl: jax.Array
+
+
+def with_aux_losses(fn: Callable[..., Any], model: nnx.Module, batch: dict[str, jax.Array]) -> tuple[Any, AuxLosses]:
+    """(`fn(model, batch)`, the auxiliary losses the layers sow during this forward: `AuxLosses`). Every
+    objective that trains a policy (SFT, DPO, GRPO, distillation) passes them on this way."""
     out, sown = nnx.capture(fn, nnx.Intermediate)(model, batch)
-    leaves = [jnp.sum(x) for x in jax.tree.leaves(sown)]
-    return out, sum(leaves, jnp.float32(0.0)) / max(len(leaves), 1)
+    moe: list[jax.Array] = []
+    kl: list[jax.Array] = []
+    for path, value in nnx.to_flat_state(sown):
+        (kl if INDEXER_KL in path else moe).extend(jnp.sum(x) for x in jax.tree.leaves(value))
+    mean = lambda xs: sum(xs, jnp.float32(0.0)) / max(len(xs), 1)
+    return out, AuxLosses(mean(moe), mean(kl))
 
 
-def xent_sum_and_aux(model: nnx.Module, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
-    """(`xent_sum`'s cross-entropy sum, the MoE load-balancing loss: `with_moe_aux`)."""
-    (ce_sum, _), aux = with_moe_aux(xent_sum, model, batch)
+def xent_sum_and_aux(model: nnx.Module, batch: dict[str, jax.Array]) -> tuple[jax.Array, AuxLosses]:
+    """(`xent_sum`'s cross-entropy sum, the auxiliary losses: `with_aux_losses`)."""
+    (ce_sum, _), aux = with_aux_losses(xent_sum, model, batch)
     return ce_sum, aux

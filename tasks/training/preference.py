@@ -45,7 +45,7 @@ from jax.experimental import multihost_utils
 
 from tasks.data.rows import COLUMNS, SIDES, read_pairs
 from tasks.training.data import PackedBatches
-from tasks.training.losses import with_moe_aux
+from tasks.training.losses import with_aux_losses
 
 REF = "ref_logp"  # per-token reference log-probabilities of a side: `<side>_ref_logp` [R, T] float32
 
@@ -164,8 +164,9 @@ def preference_objective(loss: str, beta: float, label_smoothing: float = 0.0,
         return (per_pair * valid).sum(), metrics
 
     def objective(model: nnx.Module, batch: dict[str, jax.Array]):
-        # an MoE policy sows its load-balancing loss in this forward, as in SFT (losses.xent_sum_and_aux)
-        (total, metrics), aux = with_moe_aux(pairs, model, batch)
+        # an MoE policy sows its load-balancing loss (a DSA one its indexer KL) in this forward, as in SFT
+        # (losses.xent_sum_and_aux)
+        (total, metrics), aux = with_aux_losses(pairs, model, batch)
         return total, aux, metrics
 
     return objective

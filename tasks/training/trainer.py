@@ -18,11 +18,12 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from models.decoder import DecoderLM, set_compute_dtype
+from models.deepseek_v32 import DSAttention
 from models.moe import MoE
 from models.sharding import RULES, make_mesh, named_sharding, set_activation_sharding, shard_model
-from tasks.training.config import MeshConfig, TrainConfig
+from tasks.training.config import IndexerConfig, MeshConfig, TrainConfig
 from tasks.training.data import PackedBatches
-from tasks.training.losses import CountFn, EvalFn, LossFn, target_count, xent_sum, xent_sum_and_aux
+from tasks.training.losses import AuxLosses, CountFn, EvalFn, LossFn, target_count, xent_sum, xent_sum_and_aux
 from tasks.training.optimizers import lr_schedule, make_optimizer
 
 
@@ -64,10 +65,11 @@ def _state_shardings_like(opt_state: Any, params: Any, default: NamedSharding) -
     return jax.tree_util.tree_map_with_path(one, opt_state)
 
 
-def prepare_for_training(model: nnx.Module, cfg: TrainConfig) -> Any:
+def prepare_for_training(model: nnx.Module, cfg: TrainConfig, indexer: IndexerConfig = IndexerConfig()) -> Any:
     """Give `model` (concrete or abstract, `nnx.eval_shape`) the compute dtype and remat policy of `cfg`, put it
-    in train mode with MoE layers sowing their load-balancing loss (in place); returns the eval-mode graphdef
-    (dropout off, nothing sown), the graph of eval steps and of the trained model."""
+    in train mode with MoE layers sowing their load-balancing loss and, with `indexer.mode` kl, DSA layers their
+    indexer's KL objective (in place); returns the eval-mode graphdef (dropout off, nothing sown), the graph of
+    eval steps and of the trained model."""
     if cfg.compute_dtype == "bfloat16":
         set_compute_dtype(model, jnp.bfloat16)
     if isinstance(model, DecoderLM):
@@ -80,18 +82,23 @@ def prepare_for_training(model: nnx.Module, cfg: TrainConfig) -> Any:
     for _, m in nnx.iter_graph(model):
         if isinstance(m, MoE):
             m.collect_aux = True  # sow the load-balancing loss; reported, and trained on when coef > 0
+        if isinstance(m, DSAttention) and indexer.mode == "kl":
+            m.indexer_kl = indexer.form
     return eval_graphdef
 
 
 def make_train_step(graphdef: Any, tx: optax.GradientTransformation, cfg: TrainConfig, loss_fn: LossFn,
-                    count_fn: CountFn = target_count) -> Any:
+                    count_fn: CountFn = target_count, indexer_kl_weight: float = 0.0) -> Any:
     """The train step as a pure function (params, opt_state, rng_state, frozen, batch) -> (params, opt_state,
     rng_state, stats) over the split state of a model prepared by `prepare_for_training`: `grad_accum`
     micro-batches scanned, the gradient summed, one optimizer update. The loss sum (and any metric sums the
     objective returns) is divided by `count_fn(batch)`, the whole batch's count (target tokens; pairs for
     preference optimisation). The Trainer jits it on real arrays; the capacity planner
-    (tasks/training/plan.py) compiles the same function on abstract ones."""
-    A, coef = cfg.grad_accum, cfg.aux_loss_coef
+    (tasks/training/plan.py) compiles the same function on abstract ones. The objective adds the auxiliary
+    losses the objective returns (`AuxLosses`): the MoE load-balancing loss times `aux_loss_coef` and a DSA
+    indexer's KL times `indexer_kl_weight`, each a mean per micro-batch; the step reports the KL as
+    `indexer_kl` when its weight is set."""
+    A, coef, w_kl = cfg.grad_accum, cfg.aux_loss_coef, indexer_kl_weight
 
     def micro_objective(params, rng_state, frozen, mb, n_total):
         # fresh Variables at this trace level: dropout advances the RNG state here, and a remat'd layer writes
@@ -101,7 +108,8 @@ def make_train_step(graphdef: Any, tx: optax.GradientTransformation, cfg: TrainC
         out = loss_fn(model, mb)
         ce_sum, aux = out[0], out[1]
         metrics = out[2] if len(out) > 2 else {}
-        objective = ce_sum / n_total + coef * aux / A
+        aux = aux if isinstance(aux, AuxLosses) else AuxLosses(aux, jnp.float32(0.0))
+        objective = ce_sum / n_total + coef * aux.moe / A + w_kl * aux.indexer_kl / A
         return objective, (ce_sum, aux, metrics, nnx.state(model, nnx.RngState))
 
     grad_fn = jax.value_and_grad(micro_objective, has_aux=True)
@@ -117,20 +125,22 @@ def make_train_step(graphdef: Any, tx: optax.GradientTransformation, cfg: TrainC
             def body(carry, mb):
                 g_acc, ce_acc, aux_acc, m_acc, rng = carry
                 (_, (ce, aux, m, rng)), g = grad_fn(params, rng, frozen, mb, n_total)
-                return (jax.tree.map(jnp.add, g_acc, g), ce_acc + ce, aux_acc + aux,
+                return (jax.tree.map(jnp.add, g_acc, g), ce_acc + ce, jax.tree.map(jnp.add, aux_acc, aux),
                         jax.tree.map(jnp.add, m_acc, m), rng), None
 
             zero = jnp.float32(0.0)
             first = jax.tree.map(lambda x: x[0], micro)
             m0 = jax.tree.map(jnp.zeros_like, jax.eval_shape(lambda: micro_objective(
                 params, rng_state, frozen, first, n_total)[1][2]))
-            init = (jax.tree.map(jnp.zeros_like, params), zero, zero, m0, rng_state)
+            init = (jax.tree.map(jnp.zeros_like, params), zero, AuxLosses(zero, zero), m0, rng_state)
             (grads, ce_sum, aux, metrics, rng_state), _ = jax.lax.scan(body, init, micro)
-            aux = aux / A
+            aux = jax.tree.map(lambda x: x / A, aux)
         updates, opt_state = tx.update(grads, opt_state, params)
         params = optax.apply_updates(params, updates)
-        stats = {"loss": ce_sum / n_total, "grad_norm": optax.tree.norm(grads), "aux_loss": aux,
+        stats = {"loss": ce_sum / n_total, "grad_norm": optax.tree.norm(grads), "aux_loss": aux.moe,
                  "target_tokens": n_total, **{k: v / n_total for k, v in metrics.items()}}
+        if w_kl:
+            stats["indexer_kl"] = aux.indexer_kl
         return params, opt_state, rng_state, stats
 
     return train_step
@@ -161,7 +171,8 @@ class Trainer:
     per pair by its `count_fn`, tasks/training/preference.py)."""
 
     def __init__(self, model: nnx.Module, cfg: TrainConfig, trainable: Any = nnx.Param, mesh: Mesh | None = None,
-                 loss_fn: LossFn = xent_sum_and_aux, eval_fn: EvalFn = xent_sum, count_fn: CountFn = target_count):
+                 loss_fn: LossFn = xent_sum_and_aux, eval_fn: EvalFn = xent_sum, count_fn: CountFn = target_count,
+                 indexer: IndexerConfig = IndexerConfig()):
         self.cfg = cfg
         self.mesh = mesh if mesh is not None else mesh_from_config(cfg.mesh)
         self.rules = mesh_rules(cfg.mesh)
@@ -169,7 +180,7 @@ class Trainer:
         self.lora = trainable is nnx.LoRAParam
         shard_model(model, self.mesh, self.rules)
         set_activation_sharding(model, self.mesh, self.rules, cfg.moe_capacity_factor)
-        self.eval_graphdef = prepare_for_training(model, cfg)
+        self.eval_graphdef = prepare_for_training(model, cfg, indexer)
         self.moe = [m for _, m in nnx.iter_graph(model) if isinstance(m, MoE)]
         self.graphdef, self.params, self.rng_state, self.frozen = nnx.split(model, trainable, nnx.RngState, ...)
         self.schedule = lr_schedule(cfg)
@@ -182,7 +193,8 @@ class Trainer:
         self.opt_state = jax.jit(self.tx.init, out_shardings=opt_sh)(self.params)
         self.opt_sh, self.rng_sh = opt_sh, shardings(self.rng_state)
         self.batch_sh = named_sharding(self.mesh, ("batch", "length"), self.rules)
-        train_step = make_train_step(self.graphdef, self.tx, cfg, loss_fn, count_fn)
+        kl_weight = indexer.kl_weight if indexer.mode == "kl" else 0.0
+        train_step = make_train_step(self.graphdef, self.tx, cfg, loss_fn, count_fn, kl_weight)
         eval_graphdef = self.eval_graphdef
 
         def eval_step(params, rng_state, frozen, batch):
