@@ -2,9 +2,9 @@
 less what `ignore` matches (module names, or regexes prefixed `re:`, the way compressed-tensors'
 `targets` / `ignore` are matched in `utils/match.py`).
 
-Every Linear except `lm_head` and MTP layers' `eh_proj` (ALWAYS_IGNORED), and every expert, is quantized
-unless it matches `ignore`; routers, norms and embeddings are never Linears here, so they always stay
-float. An Experts stack is quantized whole or not at all (an engine loads a stack with one format), and
+Every Linear except `lm_head`, MTP layers' `eh_proj` and the DSA indexer's `weights_proj` (ALWAYS_IGNORED), and
+every expert, is quantized unless it matches `ignore`; routers, norms and embeddings are never Linears here, so
+they always stay float. An Experts stack is quantized whole or not at all (an engine loads a stack with one format), and
 a group size must divide every quantized input width.
 
 GPT-OSS's fused experts (`hf_layout == "gpt_oss"`) have one layout on disk, GPT-OSS's own MXFP4
@@ -26,8 +26,11 @@ from models.layers import Linear, hf_name
 from models.moe import Experts
 from models.quant.schemes import Scheme
 
-# lm_head stays float; so does the MTP layers' eh_proj, which vLLM builds as a plain, unquantized Linear
-ALWAYS_IGNORED = ("lm_head", r"re:.*\.eh_proj$")
+# lm_head stays float; so does the MTP layers' eh_proj, which vLLM builds as a plain, unquantized Linear; and the
+# DSA indexer's per-head weights (DeepSeek-V3.2 / GLM-5 `indexer.weights_proj`): bf16 in every published FP8
+# checkpoint (GLM-5-FP8 lists it in modules_to_not_convert), fp32 in the reference code and in transformers
+# (`_keep_in_fp32_modules`, which its FP8 loader never converts), a bf16 GEMM in the engines
+ALWAYS_IGNORED = ("lm_head", r"re:.*\.eh_proj$", r"re:.*\.indexer\.weights_proj$")
 
 
 @dataclasses.dataclass
