@@ -50,6 +50,17 @@ def test_unknown_preset_names_the_known_ones():
         load_preset("gpt-5")
 
 
+def test_dsa_family_presets_equal_the_published_configs():
+    """The families' own presets (models/deepseek_v32.py, models/glm_moe_dsa.py) are the planner's files."""
+    from models.deepseek_v32 import DeepseekV32Config
+    from models.glm_moe_dsa import GlmMoeDsaConfig
+
+    assert DeepseekV32Config.from_hf(load_preset("deepseek-v3.2")) == DeepseekV32Config.deepseek_v32_exp()
+    glm5 = GlmMoeDsaConfig.from_hf(load_preset("glm-5"))
+    assert glm5 == GlmMoeDsaConfig.glm5()
+    assert (glm5.rope_theta, glm5.indexer_types, glm5.num_mtp_layers) == (1e6, None, 1)  # every layer full
+
+
 def test_load_preset_returns_a_fresh_dict():
     a = load_preset("kimi-k2")
     a["vocab_size"] = 1
