@@ -159,7 +159,7 @@ def test_published_fp8_layout_loads_bit_identical_to_the_whole_tensor_decode(fol
 
 
 CHILD = """
-import json
+import json, os
 import jax, jax.numpy as jnp, numpy as np
 from flax import nnx
 from models import from_pretrained, jit_forward
@@ -182,7 +182,8 @@ for family, p in paths.items():
     got = np.asarray(jit_forward(sharded)(jnp.asarray(ids)))
     want = np.asarray(jit_forward(whole)(jnp.asarray(ids)))
     report[family] = {"split": split, "max_abs": float(np.max(np.abs(got - want))),
-                      "scale": float(np.max(np.abs(want))), "bytes_read": stats["bytes_read"]}
+                      "scale": float(np.max(np.abs(want))), "bytes_read": stats["bytes_read"],
+                      "file_bytes": os.path.getsize(os.path.join(p["fp8"], "model.safetensors"))}
 print("REPORT" + json.dumps(report))
 """
 
@@ -196,6 +197,11 @@ def test_published_fp8_layout_loads_sharded_on_8_devices(folders):
     for family, r in report.items():
         assert r["split"] > 0, family  # the mesh really shards the model
         assert r["max_abs"] <= 1e-5 * r["scale"], (family, r)  # the sharded forward: same logits
+        tensors = torch_file(f"{folders[family]['fp8']}/model.safetensors")
+        scale_bytes = sum(4 * t.numel() for name, t in tensors.items() if name.endswith("_scale_inv"))
+        # one process holds all 8 devices: every byte is read once (headers included), but for a scale tile
+        # that two devices' slices share, read by each of them
+        assert 0 <= r["bytes_read"] - r["file_bytes"] <= 7 * scale_bytes, (family, r, scale_bytes)
 
 
 @pytest.mark.parametrize("family", list(CONFIGS))
