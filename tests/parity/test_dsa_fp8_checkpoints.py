@@ -206,9 +206,20 @@ def test_published_fp8_layout_loads_sharded_on_8_devices(folders):
 
 @pytest.mark.parametrize("family", list(CONFIGS))
 def test_our_fp8_save_is_the_published_layout_and_transformers_loads_it(folders, tmp_path, family):
+    """`fp8-block` calibrated on IDS (GLM-5's shared layers get the selection carried from layer 0), saved in
+    DeepSeek's layout and in compressed-tensors (the default): the indexer's weights_proj stays float in both."""
     model = from_pretrained(folders[family]["float"])
     calib = [(IDS, np.ones_like(IDS))]
     quantize_model(model, parse_scheme("fp8-block"), calib)
+    mine = np.asarray(jit_forward(model)(jnp.asarray(IDS)))
+    save_pretrained(model, str(tmp_path / "ct"))
+    qc = json.loads((tmp_path / "ct" / "config.json").read_text())["quantization_config"]
+    assert r"re:.*\.indexer\.weights_proj$" in qc["ignore"]
+    ct = torch_file(tmp_path / "ct" / "model.safetensors")
+    assert "model.layers.0.self_attn.indexer.wk.weight_scale" in ct
+    assert "model.layers.0.self_attn.indexer.weights_proj.weight_scale" not in ct
+    assert rel_err(hf_reload_logits(str(tmp_path / "ct"), IDS), mine) <= 1e-5
+
     save_pretrained(model, str(tmp_path), layout="deepseek-fp8")
     tensors = torch_file(tmp_path / "model.safetensors")
     idx = "model.layers.0.self_attn.indexer"
@@ -218,7 +229,6 @@ def test_our_fp8_save_is_the_published_layout_and_transformers_loads_it(folders,
     assert f"{idx}.weights_proj.weight_scale_inv" not in tensors  # keeps it (_keep_in_fp32_modules)
     qc = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
     assert f"{idx}.weights_proj" in qc["modules_to_not_convert"]
-    mine = np.asarray(jit_forward(model)(jnp.asarray(IDS)))
     theirs = hf_reload_logits(str(tmp_path), IDS)
     err = rel_err(theirs, mine)
     print(f"{family}: our fp8-block save, transformers vs ours {err:.2e}")
