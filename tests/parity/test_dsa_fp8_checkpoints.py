@@ -2,9 +2,10 @@
 every MLA / MLP / expert Linear and the DSA indexer's `wq_b` and `wk` as float8_e4m3fn with a float32
 `weight_scale_inv` per 128x128 tile; the indexer's `weights_proj` in bf16, its `k_norm` in float (fp32 in
 deepseek-ai/DeepSeek-V3.2, bf16 in zai-org/GLM-5-FP8), the routers, embeddings and LM head float. Loaded whole and
-with `mesh=` on 8 fake CPU devices, every variable is bit-identical to the whole-tensor dequantisation and the
-logits equal transformers' on those dequantised weights; an fp8-block model we quantize is saved in that layout
-(the indexer's `weights_proj` float, as published and as transformers keeps it) and transformers loads it.
+with `mesh=` on 8 fake CPU devices, every variable is bit-identical to the whole-tensor dequantisation, the logits
+equal its logits (bitwise unsharded; ≤ 1e-5 relative through the sharded program) and transformers' on those
+weights (≤ 1e-5); an fp8-block model we quantize is saved in that layout and in compressed-tensors (the indexer's
+`weights_proj` float in both, as published and as transformers keeps it) and transformers loads both.
 
 Tiny configs (tests/parity/test_deepseek_v32_parity.py's and test_glm_moe_dsa_parity.py's, widened where a
 128x128 tile must be crossed): dense MLP 384 wide (three tiles, which the 8-device mesh's tensor axis splits
