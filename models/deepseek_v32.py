@@ -129,8 +129,9 @@ class DeepseekV32Config(DeepseekV3Config):
 
     @classmethod
     def deepseek_v32_exp(cls, **overrides: Any) -> DeepseekV32Config:
-        """deepseek-ai/DeepSeek-V3.2-Exp: DeepSeek-V3's shapes, YaRN ×40 and MTP layer, with a 64-head indexer of
-        128 dims keeping 2048 keys. [memory of the Hub config.json]"""
+        """deepseek-ai/DeepSeek-V3.2-Exp and DeepSeek-V3.2: DeepSeek-V3's shapes, YaRN ×40 and MTP layer, with a
+        64-head indexer of 128 dims keeping 2048 keys; equal to the published config.json (the planner preset
+        models/presets/deepseek-v3.2.json, tests/unit/test_presets.py)."""
         kw = dict(index_topk=2048, index_head_dim=128, index_n_heads=64, num_nextn_predict_layers=1,
                   model_type="deepseek_v32")
         return cls.deepseek_v3(**{**kw, **overrides})

@@ -132,9 +132,12 @@ class GlmMoeDsaConfig(DeepseekV32Config):
 
     @classmethod
     def glm5(cls, **overrides: Any) -> GlmMoeDsaConfig:
-        """zai-org/GLM-5's shapes as transformers 5.25's `GlmMoeDsaConfig` defaults give them (every layer full,
-        no MTP). [class defaults, not read from the Hub config.json]"""
-        return cls(**overrides)
+        """zai-org/GLM-5's config.json (the planner preset models/presets/glm-5.json, sources there): transformers
+        5.25's `GlmMoeDsaConfig` shapes (every layer full) with RoPE theta 1e6 (the class default is 1e4), GLM's
+        eos / pad tokens and one MTP layer."""
+        kw = dict(rope_theta=1e6, eos_token_id=(154820, 154827, 154829), pad_token_id=154820,
+                  num_nextn_predict_layers=1)
+        return cls(**{**kw, **overrides})
 
     # -- HF config.json --------------------------------------------------------------------------
 

@@ -3,8 +3,9 @@
 `load_preset(name)` returns the config.json dict of a preset (`PRESETS` maps names to HF repo ids);
 `count_params(config)` builds OUR model for that config abstractly (`nnx.eval_shape`: shapes only, no
 weights: 5-15 s for the 1T Kimi K2 on a loaded 2-core machine) and counts its `nnx.Param` leaves. `PUBLISHED_PARAMS` /
-`PUBLISHED_ACTIVE` hold what each publisher states, with the source; tests/unit/test_presets.py checks
-our counts against them (total within 1 %, active within 2 %).
+`PUBLISHED_ACTIVE` hold what each publisher states, with the source (`CHECKPOINT_TENSORS` the exact tensor total
+of a published checkpoint, where known); tests/unit/test_presets.py checks our counts against them (total within
+1 %, active within 2 %, the checkpoint to the element).
 
     from models.presets import count_params, load_preset
     counts = count_params(load_preset("deepseek-v3"))  # {"total": ..., "total_main": ..., "active": ...}
@@ -12,9 +13,9 @@ our counts against them (total within 1 %, active within 2 %).
 What `count_params` returns (all integers, parameters not bytes):
 
 * ``total``: every `nnx.Param` of the model as `config_cls.from_hf(config)` builds it -- MTP layers included
-  where the family builds them from config.json alone: DeepSeek-V3 builds `num_nextn_predict_layers` (1)
-  MTP layer; GLM-4.5 builds none until `Glm4MoeConfig.for_checkpoint` sees the MTP tensors (its
-  `num_mtp_layers` defaults to 0), so the GLM presets' ``total`` has no MTP layer.
+  where the family builds them from config.json alone: DeepSeek-V3, DeepSeek-V3.2 and GLM-5 build
+  `num_nextn_predict_layers` (1) MTP layer; GLM-4.5 builds none until `Glm4MoeConfig.for_checkpoint` sees the
+  MTP tensors (its `num_mtp_layers` defaults to 0), so the GLM-4.5 presets' ``total`` has no MTP layer.
 * ``mtp``: the parameters of those MTP layers (`layers[num_hidden_layers:]`: a full decoder block plus
   `enorm`, `hnorm`, `eh_proj` and `shared_head.norm`; the MTP layer shares the main embedding and LM head,
   so they are not counted twice).
@@ -66,6 +67,23 @@ Where the configs come from (exact keys and values of the public files; none was
 * qwen3-235b-a22b -- https://huggingface.co/Qwen/Qwen3-235B-A22B/blob/main/config.json. Two independent
   verbatim copies in public code agree key for key (the 2507 re-releases differ only in
   max_position_embeddings 262144 and rope_theta 5e6).
+* deepseek-v3.2 -- https://huggingface.co/deepseek-ai/DeepSeek-V3.2/blob/main/config.json (key-sorted, the V3
+  file plus `index_head_dim` / `index_n_heads` / `index_topk`, `scale_fmt: ue8m0` in its quantization_config,
+  `transformers_version` 4.44.2, no `aux_loss_alpha` / `seq_aux` / `pretraining_tp`). Cross-checked against two
+  verbatim copies in public documents (a model report that also lists every tensor of the 163 safetensors files
+  and their 685,396,921,376 elements; a config walkthrough) and transformers' `DeepseekV32Config` defaults (the
+  same shapes). DeepSeek-V3.2-Exp (https://huggingface.co/deepseek-ai/DeepSeek-V3.2-Exp) is the same
+  architecture (its reference code's indexer: 64 heads of 128, top 2048).
+* glm-5 -- https://huggingface.co/zai-org/GLM-5/blob/main/config.json (the transformers-5 spelling:
+  `rope_parameters` {rope_theta 1e6, default}, `dtype`, `transformers_version` 5.0.2.dev0; `head_dim` 64 and
+  `qk_head_dim` 256 as written; no `indexer_types`, so every layer runs its own indexer). Cross-checked against
+  two public copies derived from it that agree key for key in the same order (one with `num_hidden_layers`,
+  `n_routed_experts`, `first_k_dense_replace`, `max_position_embeddings` and `num_nextn_predict_layers` cut for a
+  test; one with `model_type` / `architectures` renamed and its own quantization_config), the defaults of a public
+  inference engine's GLM-5 loader (every architecture value, citing this file), transformers'
+  `GlmMoeDsaConfig` defaults, and the GLM-5 technical report's table (3 dense + 75 MoE layers, width 6144, 64
+  heads, q / kv LoRA 2048 / 512, QK head 192 + 64, V head 256, 256 experts top-8 + 1 shared, a 32-head indexer of
+  128 dims, vocab 154880). Not cross-checked against a raw copy: `dtype` (one copy spells it `torch_dtype`).
 * llama-3.1-70b -- https://huggingface.co/meta-llama/Llama-3.1-70B/blob/main/config.json (the base model:
   eos_token_id 128001; Instruct lists [128001, 128008, 128009]). The key set is the Llama-3.1 family file
   (verbatim copies of Llama-3.1-8B's in TensorRT-LLM and other tests); the 70B values (8192 / 28672 / 64 /
@@ -95,6 +113,8 @@ PRESETS: dict[str, str] = {  # preset name -> Hugging Face repo id
     "gpt-oss-120b": "openai/gpt-oss-120b",
     "qwen3-235b-a22b": "Qwen/Qwen3-235B-A22B",
     "llama-3.1-70b": "meta-llama/Llama-3.1-70B",
+    "deepseek-v3.2": "deepseek-ai/DeepSeek-V3.2",
+    "glm-5": "zai-org/GLM-5",
 }
 
 # Total parameters as each publisher states them. None of them counts MTP layers (see `count_params`'s
@@ -122,6 +142,22 @@ PUBLISHED_PARAMS: dict[str, tuple[int, str]] = {
     "llama-3.1-70b": (70_553_706_496,
                       "safetensors total of meta-llama/Llama-3.1-70B (70.55B, as recorded in public fixtures; "
                       "the model card rounds to 70B)"),
+    "deepseek-v3.2": (671_000_000_000,
+                      "DeepSeek-V3.2 (model card, technical report): DeepSeek-V3's 671B main model, continued with "
+                      "the DSA indexer (+0.85B over 61 layers); the Hub's '685B' is every tensor of the files: the "
+                      "MTP layer with its embedding / head copies and the FP8 scales (685,396,921,376, "
+                      "CHECKPOINT_TENSORS)"),
+    "glm-5": (744_000_000_000,
+              "GLM-5 model card / technical report (arXiv 2602.15763): 744B total, 40B activated; the main model "
+              "(78 layers, an indexer in each) without the MTP layer"),
+}
+
+# Every tensor element of a published checkpoint (weights, router bias buffers, MTP copies of the embedding and
+# head, FP8 scales), where a verbatim inventory of its safetensors is public.
+CHECKPOINT_TENSORS: dict[str, tuple[int, str]] = {
+    "deepseek-v3.2": (685_396_921_376,
+                      "safetensors headers of deepseek-ai/DeepSeek-V3.2 (163 files, 92,425 tensors), as dumped in "
+                      "a public model report"),
 }
 
 # Active (per-token) parameters as each publisher states them, with the `count_params` key that matches
@@ -142,6 +178,12 @@ PUBLISHED_ACTIVE: dict[str, tuple[int, str, str]] = {
     "qwen3-235b-a22b": (22_000_000_000, "active_with_embedding",
                         "Qwen3-235B-A22B model card: 22B activated; Qwen counts the embedding table (as for "
                         "Qwen3-30B-A3B's 3.3B), without it: -2.0%"),
+    "deepseek-v3.2": (37_000_000_000, "active",
+                      "DeepSeek-V3.2: 37B activated per token, DeepSeek-V3's definition (head included); ours adds "
+                      "the indexer's projections (wq_b, wk, weights_proj: 14M per layer)"),
+    "glm-5": (40_000_000_000, "active_no_head",
+              "GLM-5 model card / technical report: 40B activated; matches without the LM head, as GLM-4.5's "
+              "32B does (with it: +2.1%)"),
 }
 
 

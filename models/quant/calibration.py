@@ -6,7 +6,9 @@ Hessian proxy GPTQ needs), Σ |x| (the activation magnitudes AWQ's scale search 
 Calibration runs layer by layer, as GPTQ (arXiv:2210.17323) and llm-compressor's sequential pipeline
 (`pipelines/sequential/pipeline.py`) do: the calibration tokens go through decoder layer i with every
 Linear and expert stack sowing its inputs; the statistics quantize the layer (models/quant/driver.py); the
-*quantized* layer's output feeds layer i + 1. See docs/quantization.md.
+*quantized* layer's output feeds layer i + 1 (with what layer i passed on in `Context.carry`: GLM-5's shared
+DSA layers attend to the last full layer's top-k selection; `layer_inputs` / `next_inputs`). See
+docs/quantization.md.
 
 MoE experts (`ExpertStats`) get their own statistics from the tokens routed to them, at a cost in
 proportion to the routed rows, not to experts × rows, and without ever holding all E Hessians:
@@ -38,7 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -259,22 +261,26 @@ def _routed_moments(rows: jax.Array, expert: jax.Array, w: jax.Array, E: int
     return a, jax.ops.segment_sum(w, expert, E), jnp.maximum(jax.ops.segment_max(aw, expert, E), 0.0)
 
 
-def _layer_context(model: nnx.Module, seg: jax.Array, i: int):
+def _layer_context(model: nnx.Module, seg: jax.Array, i: int, carry: Mapping[str, jax.Array] | None = None):
+    """Layer i's context for a batch with segments `seg` [B, T]; `carry` is what earlier layers passed on in the
+    same forward (`Context.carry`: GLM-5's shared DSA layers attend to the last full layer's top-k selection)."""
     B, T = seg.shape
     ctx, _ = build_context(T, B, positions=None, segment_ids=seg, cache=None, windows={model.layer_window(i)})
     ctx.rope = model.rope(ctx.positions)
+    ctx.carry = dict(carry or {})
     return ctx
 
 
 @nnx.jit(static_argnames=("i",))
-def _layer_stats(model: nnx.Module, x: jax.Array, seg: jax.Array, i: int) -> dict[str, tuple | dict]:
+def _layer_stats(model: nnx.Module, x: jax.Array, seg: jax.Array, i: int,
+                 carry: Mapping[str, jax.Array] | None = None) -> dict[str, tuple | dict]:
     """Run decoder layer i on x [B, T, D] with its quantizable modules sowing their inputs, padding
     (segment 0) excluded. Per module (relative dotted path): a Linear's (H [in, in], Σ|x| [in], n); an
     expert stack input's dict of src (rows, or gate_up's [B*T, D] input), index (row -> src row, or None),
     expert [R], w [R] (0 = padding), a = Σ|x| [E, in], n [E] and pooled H [in, in], the rows in the order
-    models/moe.py sows them (sorted by expert)."""
+    models/moe.py sows them (sorted by expert). `carry`: what earlier layers passed on (see _layer_context)."""
     layer = model.layers[i]
-    ctx = _layer_context(model, seg, i)
+    ctx = _layer_context(model, seg, i, carry)
     _, sown = nnx.capture(lambda lyr: lyr(x, ctx, None, i), nnx.Intermediate)(layer)
     valid = (seg != 0).reshape(-1).astype(jnp.float32)  # [B*T]
     flat = {tuple(str(p) for p in path): (v.get_value() if hasattr(v, "get_value") else v)[0]
@@ -306,6 +312,30 @@ def _layer_forward(model: nnx.Module, x: jax.Array, seg: jax.Array, i: int) -> j
     return model.layers[i](x, _layer_context(model, seg, i), None, i)[0]
 
 
+@nnx.jit(static_argnames=("i",))
+def _layer_forward_carry(model: nnx.Module, x: jax.Array, seg: jax.Array, i: int, carry: Mapping[str, jax.Array]
+                         ) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """Decoder layer i on x [B, T, D] given what earlier layers carried -> (its output [B, T, D], the carry for the
+    layers after it): the layer-by-layer walk of a model whose layers pass state on (GLM-5's shared top-k)."""
+    ctx = _layer_context(model, seg, i, carry)
+    return model.layers[i](x, ctx, None, i)[0], ctx.carry
+
+
+def layer_inputs(model: nnx.Module, batches: Sequence[tuple[np.ndarray, np.ndarray]]
+                 ) -> tuple[list[jax.Array], list[jax.Array], list[dict[str, jax.Array]]]:
+    """The first layer's inputs of calibration `batches`: (embeddings [B, T, D], segment ids [B, T], empty
+    carries), one per batch; `next_inputs` walks them through each layer."""
+    xs = [model.embed_tokens(jnp.asarray(ids)) for ids, _ in batches]  # [B, T, D] each
+    return xs, [jnp.asarray(seg, jnp.int32) for _, seg in batches], [{} for _ in batches]
+
+
+def next_inputs(model: nnx.Module, xs: Sequence[jax.Array], segs: Sequence[jax.Array],
+                carries: Sequence[Mapping[str, jax.Array]], i: int) -> tuple[list[jax.Array], list[dict]]:
+    """Layer i's outputs (the next layer's inputs) and the carries after it, batch by batch."""
+    out = [_layer_forward_carry(model, x, seg, i, dict(c)) for x, seg, c in zip(xs, segs, carries, strict=True)]
+    return [x for x, _ in out], [c for _, c in out]
+
+
 def _set_calibrating(units: Sequence[Unit], on: bool) -> None:
     for u in units:
         u.module.calibrating = on
@@ -329,16 +359,18 @@ def _routed(src: Any, index: Any, expert: Any, w: Any) -> Routed:
 
 
 def collect_stats(model: nnx.Module, xs: Sequence[jax.Array], segs: Sequence[jax.Array], i: int,
-                  units: Sequence[Unit], *, expert_chunk: int = 8) -> dict[str, Stats | ExpertStats]:
+                  units: Sequence[Unit], *, expert_chunk: int = 8,
+                  carries: Sequence[Mapping[str, jax.Array]] | None = None) -> dict[str, Stats | ExpertStats]:
     """Statistics of layer i's quantizable inputs over all calibration batches, by HF module name: a
     Linear's `Stats`; an expert stack's `ExpertStats` under "<name>.gate_up" and "<name>.down_proj"
-    (per-expert Hessians built `expert_chunk` experts at a time)."""
+    (per-expert Hessians built `expert_chunk` experts at a time). `carries`: per batch, what the layers before
+    i passed on (`next_inputs`; None: nothing)."""
     _set_calibrating(units, True)
     try:
         total: dict[str, Stats] = {}
         routed: dict[str, list] = {}
-        for x, seg in zip(xs, segs, strict=True):
-            for rel, v in _layer_stats(model, x, seg, i).items():
+        for x, seg, carry in zip(xs, segs, carries or [{}] * len(xs), strict=True):
+            for rel, v in _layer_stats(model, x, seg, i, dict(carry)).items():
                 key = f"model.layers.{i}.{rel}"
                 if isinstance(v, dict):  # an expert stack input
                     st = Stats(*(np.asarray(v[k], np.float64) for k in ("pooled", "a", "n", "amax")))

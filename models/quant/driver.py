@@ -26,7 +26,6 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -34,7 +33,7 @@ from models.layers import Linear, hf_name
 from models.moe import Experts
 from models.quant import quantizers as Q
 from models.quant.awq import awq_layer
-from models.quant.calibration import ExpertStats, Stats, _layer_forward, calibration_tokens, collect_stats
+from models.quant.calibration import ExpertStats, Stats, calibration_tokens, collect_stats, layer_inputs, next_inputs
 from models.quant.formats import fp4_formats, fp8_formats, int_formats  # noqa: F401 - the formats it quantizes to
 from models.quant.rotation import rotate_model
 from models.quant.schemes import Options, Scheme, parse_scheme
@@ -226,15 +225,14 @@ def quantize_model(model: nnx.Module, scheme: Scheme, batches: Sequence[tuple[np
         return {"scheme": scheme.name, "modules": rows, "awq": [], "smoothquant": [], "rotation": rotation,
                 "seconds": time.perf_counter() - t0, "calibration_tokens": 0}
     L = model.config.num_hidden_layers
-    xs = [model.embed_tokens(jnp.asarray(ids)) for ids, _ in batches]  # [B, T, D] each
-    segs = [jnp.asarray(seg, jnp.int32) for _, seg in batches]
+    xs, segs, carries = layer_inputs(model, batches)  # [B, T, D], [B, T], {} per batch
     rows: list[dict[str, Any]] = []
     awq_rows: list[dict[str, Any]] = []
     smooth_rows: list[dict[str, Any]] = []
     for i in range(L):
         layer_units = [u for u in units if u.layer == i]
-        stats = collect_stats(model, xs, segs, i, layer_units, expert_chunk=opts.expert_chunk) if layer_units \
-            else {}
+        stats = collect_stats(model, xs, segs, i, layer_units, expert_chunk=opts.expert_chunk,
+                              carries=carries) if layer_units else {}
         if scheme.smooth:
             smooth_rows += smooth_layer(model.layers[i], i, stats, layer_units, opts.smoothquant_alpha)
         if scheme.method == "awq":
@@ -244,7 +242,7 @@ def quantize_model(model: nnx.Module, scheme: Scheme, batches: Sequence[tuple[np
             rows += _quantize_unit(u, stats, scheme, opts, folded, globals_)
             if note := _set_unit_activations(u, stats, scheme):
                 rows[-1]["act_fallback"] = note
-        xs = [_layer_forward(model, x, seg, i) for x, seg in zip(xs, segs, strict=True)]  # quantized layer's output
+        xs, carries = next_inputs(model, xs, segs, carries, i)  # the quantized layer's output
     for u in units:  # modules the main stack never runs (e.g. DeepSeek/GLM MTP layers): no calibration
         if u.layer is None or u.layer >= L:
             rows += _quantize_unit(u, {}, scheme, opts, globals_=globals_)

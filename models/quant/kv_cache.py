@@ -50,7 +50,7 @@ from models.decoder import GQAttention
 from models.layers import QuantScale, param
 from models.moe import Experts
 from models.numerics import F32_EPS, FP8_MAX
-from models.quant.calibration import _layer_context, _layer_forward, calibration_tokens
+from models.quant.calibration import _layer_context, calibration_tokens, layer_inputs, next_inputs
 from models.quant.targets import Unit
 
 KV_CACHE_KINDS = ("fp8",)  # the `quantize.kv_cache` values besides null
@@ -209,12 +209,12 @@ def prepare_kv_scales(model: nnx.Module, strategy: str | None) -> None:
 
 
 @nnx.jit(static_argnames=("i", "per_head"))
-def _kv_amax(model: nnx.Module, x: jax.Array, seg: jax.Array, i: int, per_head: bool
-             ) -> tuple[jax.Array, jax.Array]:
-    """Decoder layer i on x [B, T, D] with its attention sowing the K / V it caches -> (max |K|, max |V|) over
-    the real tokens (seg != 0): [] per tensor, [K] per KV head."""
+def _kv_amax(model: nnx.Module, x: jax.Array, seg: jax.Array, i: int, per_head: bool,
+             carry: dict[str, jax.Array] | None = None) -> tuple[jax.Array, jax.Array]:
+    """Decoder layer i on x [B, T, D] (given what earlier layers carried) with its attention sowing the K / V it
+    caches -> (max |K|, max |V|) over the real tokens (seg != 0): [] per tensor, [K] per KV head."""
     layer = model.layers[i]
-    ctx = _layer_context(model, seg, i)
+    ctx = _layer_context(model, seg, i, carry)
     _, sown = nnx.capture(lambda lyr: lyr(x, ctx, None, i), nnx.Intermediate)(layer)
     flat = {tuple(str(p) for p in path): (v.get_value() if hasattr(v, "get_value") else v)[0]
             for path, v in nnx.to_flat_state(sown)}
@@ -240,15 +240,15 @@ def calibrate_kv_cache(model: nnx.Module, batches: Sequence[tuple[np.ndarray, np
     tokens = calibration_tokens(batches)
     if tokens == 0:
         raise ValueError("kv_cache fp8: the static KV scales need calibration data (no real calibration tokens)")
-    xs = [model.embed_tokens(jnp.asarray(ids)) for ids, _ in batches]  # [B, T, D] each
-    segs = [jnp.asarray(seg, jnp.int32) for _, seg in batches]
+    xs, segs, carries = layer_inputs(model, batches)  # [B, T, D], [B, T], {} per batch
     rows: list[dict[str, Any]] = []
     for i, attn in enumerate(attns):
         attn.kv_calibrating = True
         try:
             k_amax = v_amax = None
-            for x, seg in zip(xs, segs, strict=True):
-                k, v = (np.asarray(a, np.float32) for a in _kv_amax(model, x, seg, i, strategy == "attn_head"))
+            for x, seg, carry in zip(xs, segs, carries, strict=True):
+                k, v = (np.asarray(a, np.float32)
+                        for a in _kv_amax(model, x, seg, i, strategy == "attn_head", carry))
                 k_amax = k if k_amax is None else np.maximum(k_amax, k)
                 v_amax = v if v_amax is None else np.maximum(v_amax, v)
         finally:
@@ -258,7 +258,7 @@ def calibrate_kv_cache(model: nnx.Module, batches: Sequence[tuple[np.ndarray, np
         rows.append({"module": f"model.layers.{i}.self_attn", "k_amax": np.atleast_1d(k_amax).tolist(),
                      "v_amax": np.atleast_1d(v_amax).tolist(), "k_scale": np.atleast_1d(k_scale).tolist(),
                      "v_scale": np.atleast_1d(v_scale).tolist()})
-        xs = [_layer_forward(model, x, seg, i) for x, seg in zip(xs, segs, strict=True)]  # K / V now FP8
+        xs, carries = next_inputs(model, xs, segs, carries, i)  # K / V now FP8
     return {"kv_cache": "fp8", "strategy": strategy, "layers": rows, "calibration_tokens": tokens,
             "seconds": time.perf_counter() - t0}
 

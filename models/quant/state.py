@@ -137,7 +137,7 @@ def expert_qmatrices(ex: Experts) -> Iterator[tuple[int, str, QMatrix]]:
 
 def iter_qmatrices(model: nnx.Module) -> Iterator[tuple[str, QMatrix, Any]]:
     """(HF module name, QMatrix, bias or None) for every quantized Linear and expert projection."""
-    for u in quant_units(model):
+    for u in quant_units(model, float_by_default=False):
         m = u.module
         if isinstance(m, Linear):
             if m.qweight is not None:
@@ -160,7 +160,7 @@ def scheme_of(model: nnx.Module) -> Scheme:
     recorded = getattr(model, "quant_scheme", None)
     if recorded is not None:
         return recorded
-    for u in quant_units(model):
+    for u in quant_units(model, float_by_default=False):
         m = u.module
         if isinstance(m, Linear) and m.qweight is not None:
             s, z, n_in = m.scale, m.zero, m.in_features
@@ -186,7 +186,7 @@ def weight_bytes(model: nnx.Module, *, linears_only: bool = False) -> int:
     modules (Linears but the LM head, and experts)."""
     if linears_only:
         total = 0
-        for u in quant_units(model):
+        for u in quant_units(model, float_by_default=False):
             total += sum(x.nbytes for x in jax.tree.leaves(nnx.state(u.module, nnx.Any(
                 nnx.All(nnx.Param, nnx.Not(nnx.LoRAParam)), QuantWeight, QuantScale, QuantZero))))
         return total

@@ -55,7 +55,7 @@ from models.quant.driver import fused_groups, quantize_matrix
 from models.quant.formats.compressed_tensors import _tensors_for, compressed_tensors_config, tensor_specs
 from models.quant.formats.dequantizing import DequantizingCheckpoint
 from models.quant.schemes import Options, Scheme
-from models.quant.targets import check_supported, is_gpt_oss_experts, quant_units
+from models.quant.targets import check_supported, float_by_default, is_gpt_oss_experts, quant_units
 
 log = logging.getLogger("forgeline.quantize")
 
@@ -178,7 +178,8 @@ def quantize_checkpoint(src: str, out: str, scheme: Scheme, *, ignore: Sequence[
     try:
         tensors = DequantizingCheckpoint(base) if qcfg else None  # published FP8 / MXFP4: read dequantized
         names = list(tensors if tensors is not None else base)
-        targets = quantized_tensors(_abstract_model(src, cfg_dict, set(names)), scheme, ignore)
+        abstract = _abstract_model(src, cfg_dict, set(names))
+        targets = quantized_tensors(abstract, scheme, ignore)
         missing = sorted(set(targets) - set(names))
         if missing:
             raise ValueError(f"{base.path_of(missing[0])}: missing tensor {missing[0]} (one of {len(missing)} "
@@ -190,7 +191,8 @@ def quantize_checkpoint(src: str, out: str, scheme: Scheme, *, ignore: Sequence[
         dest = _Destination(out)
         try:
             report = _write(tensors or base, plan, targets, globals_, scheme, dest, say, t0, chunk_bytes)
-            _finish(src, dest, cfg_dict, scheme, ignore, report, sharded=base.sharded)
+            _finish(src, dest, cfg_dict, scheme, (*float_by_default(abstract), *ignore), report,
+                    sharded=base.sharded)
             dest.commit()
         except BaseException:
             dest.abort()

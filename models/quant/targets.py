@@ -2,10 +2,10 @@
 less what `ignore` matches (module names, or regexes prefixed `re:`, the way compressed-tensors'
 `targets` / `ignore` are matched in `utils/match.py`).
 
-Every Linear except `lm_head` and MTP layers' `eh_proj` (ALWAYS_IGNORED), and every expert, is quantized
-unless it matches `ignore`; routers, norms and embeddings are never Linears here, so they always stay
-float. An Experts stack is quantized whole or not at all (an engine loads a stack with one format), and
-a group size must divide every quantized input width.
+Every Linear except `lm_head` and MTP layers' `eh_proj` (ALWAYS_IGNORED) and the DSA indexer's `weights_proj`
+(FLOAT_BY_DEFAULT), and every expert, is quantized unless it matches `ignore`; routers, norms and embeddings are
+never Linears here, so they always stay float. An Experts stack is quantized whole or not at all (an engine loads a
+stack with one format), and a group size must divide every quantized input width.
 
 GPT-OSS's fused experts (`hf_layout == "gpt_oss"`) have one layout on disk, GPT-OSS's own MXFP4
 (models/quant/formats/mxfp4.py), so only `mxfp4a16[-gptq]` quantizes them; and as in the published
@@ -28,6 +28,11 @@ from models.quant.schemes import Scheme
 
 # lm_head stays float; so does the MTP layers' eh_proj, which vLLM builds as a plain, unquantized Linear
 ALWAYS_IGNORED = ("lm_head", r"re:.*\.eh_proj$")
+# Left float when quantizing (`quant_units`' default), still read quantized from a checkpoint that holds them so
+# (`float_by_default=False`): the DSA indexer's per-head weights (DeepSeek-V3.2 / GLM-5 `indexer.weights_proj`),
+# bf16 in every published FP8 checkpoint (GLM-5-FP8 lists it in modules_to_not_convert), fp32 in the reference code
+# and in transformers (`_keep_in_fp32_modules`, which its FP8 loader never converts), a bf16 GEMM in the engines
+FLOAT_BY_DEFAULT = (r"re:.*\.indexer\.weights_proj$",)
 
 
 @dataclasses.dataclass
@@ -53,6 +58,13 @@ def _matches(name: str, patterns: Sequence[str]) -> bool:
     return any(re.fullmatch(p[3:], name) if p.startswith("re:") else name == p for p in patterns)
 
 
+def float_by_default(model: nnx.Module) -> tuple[str, ...]:
+    """The FLOAT_BY_DEFAULT patterns that match a Linear of `model`: what a quantized checkpoint's ignore list
+    names besides ALWAYS_IGNORED (a Llama's lists none, a DeepSeek-V3.2's the indexer's weights_proj)."""
+    names = [hf_name(path) for path, node in nnx.iter_graph(model) if isinstance(node, Linear)]
+    return tuple(p for p in FLOAT_BY_DEFAULT if any(_matches(n, (p,)) for n in names))
+
+
 def expert_names(prefix: str, experts: Experts) -> list[str]:
     return [f"{prefix}.{e}.{p}" for e in range(experts.num_experts) for p in ("gate_proj", "up_proj", "down_proj")]
 
@@ -66,8 +78,10 @@ def gpt_oss_mxfp4(scheme: Scheme) -> bool:
     return scheme.weight == "mxfp4" and scheme.act is None
 
 
-def quant_units(model: nnx.Module, ignore: Sequence[str] = (), scheme: Scheme | None = None) -> list[Unit]:
-    """Every Linear (but lm_head) and Experts stack not matched by `ignore`, in a stable order.
+def quant_units(model: nnx.Module, ignore: Sequence[str] = (), scheme: Scheme | None = None, *,
+                float_by_default: bool = True) -> list[Unit]:
+    """Every Linear (but lm_head) and Experts stack not matched by `ignore`, in a stable order; with
+    `float_by_default` False also the FLOAT_BY_DEFAULT Linears (what a loaded checkpoint may hold quantized).
 
     An Experts stack is matched by its own name or by all of its per-expert names; ignoring only some
     experts of a stack is refused (an engine loads a stack with one format). With `scheme` mxfp4a16 and
@@ -76,7 +90,7 @@ def quant_units(model: nnx.Module, ignore: Sequence[str] = (), scheme: Scheme | 
     for path, node in nnx.iter_graph(model):
         if isinstance(node, Linear):
             name = hf_name(path)
-            if not _matches(name, (*ALWAYS_IGNORED, *ignore)):
+            if not _matches(name, (*ALWAYS_IGNORED, *(FLOAT_BY_DEFAULT if float_by_default else ()), *ignore)):
                 units.append(Unit(name, tuple(path), node))
         elif isinstance(node, Experts):
             name = hf_name(path)

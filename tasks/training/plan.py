@@ -3,9 +3,9 @@
     python -m tasks.training.plan MODEL --mode lora|full --seq-len T --global-batch B --devices N \\
         --device-memory GIB --hosts H [--json]            (also `forgeline plan ...`)
 
-MODEL is a preset (models/presets: deepseek-v3, kimi-k2, glm-4.5, ...) or a config.json (a file, a folder or
-a URL holding one). Nothing is allocated: the model is built with `nnx.eval_shape`, and the *real* train step
-(`tasks.training.trainer.make_train_step`, the function the Trainer jits) is compiled ahead of time on
+MODEL is a preset (models/presets: deepseek-v3, kimi-k2, glm-4.5, deepseek-v3.2, glm-5, ...) or a config.json (a
+file, a folder or a URL holding one). Nothing is allocated: the model is built with `nnx.eval_shape`, and the *real*
+train step (`tasks.training.trainer.make_train_step`, the function the Trainer jits) is compiled ahead of time on
 abstract arrays (`jax.ShapeDtypeStruct` with their shardings) over a mesh of N fake CPU devices
 (`--xla_force_host_platform_device_count`, set by `run_in_subprocess` before JAX starts), in the spirit of
 MaxText's `train_compile.py`. Per device it reports:

@@ -12,7 +12,7 @@ from importlib import resources
 import pytest
 
 from models import families
-from models.presets import PRESETS, PUBLISHED_ACTIVE, PUBLISHED_PARAMS, count_params, load_preset
+from models.presets import CHECKPOINT_TENSORS, PRESETS, PUBLISHED_ACTIVE, PUBLISHED_PARAMS, count_params, load_preset
 
 pytestmark = pytest.mark.unit
 
@@ -24,10 +24,12 @@ EXPECTED = {
     "gpt-oss-120b": "openai/gpt-oss-120b",
     "qwen3-235b-a22b": "Qwen/Qwen3-235B-A22B",
     "llama-3.1-70b": "meta-llama/Llama-3.1-70B",
+    "deepseek-v3.2": "deepseek-ai/DeepSeek-V3.2",
+    "glm-5": "zai-org/GLM-5",
 }
-# MTP layers our model builds from config.json alone: DeepSeek-V3 builds num_nextn_predict_layers (1);
-# GLM-4.5 declares 1 but builds none until Glm4MoeConfig.for_checkpoint sees the MTP tensors.
-MTP_BUILT = {"deepseek-v3": 1}
+# MTP layers our model builds from config.json alone: DeepSeek-V3 (and V3.2, GLM-5) builds num_nextn_predict_layers
+# (1); GLM-4.5 declares 1 but builds none until Glm4MoeConfig.for_checkpoint sees the MTP tensors.
+MTP_BUILT = {"deepseek-v3": 1, "deepseek-v3.2": 1, "glm-5": 1}
 
 
 @functools.cache
@@ -46,6 +48,17 @@ def test_preset_names_and_repos():
 def test_unknown_preset_names_the_known_ones():
     with pytest.raises(ValueError, match="unknown preset 'gpt-5'.*deepseek-v3.*llama-3.1-70b"):
         load_preset("gpt-5")
+
+
+def test_dsa_family_presets_equal_the_published_configs():
+    """The families' own presets (models/deepseek_v32.py, models/glm_moe_dsa.py) are the planner's files."""
+    from models.deepseek_v32 import DeepseekV32Config
+    from models.glm_moe_dsa import GlmMoeDsaConfig
+
+    assert DeepseekV32Config.from_hf(load_preset("deepseek-v3.2")) == DeepseekV32Config.deepseek_v32_exp()
+    glm5 = GlmMoeDsaConfig.from_hf(load_preset("glm-5"))
+    assert glm5 == GlmMoeDsaConfig.glm5()
+    assert (glm5.rope_theta, glm5.indexer_types, glm5.num_mtp_layers) == (1e6, None, 1)  # every layer full
 
 
 def test_load_preset_returns_a_fresh_dict():
@@ -116,3 +129,37 @@ def test_kimi_k2_matches_its_checkpoint():
     assert c["buffers"] == 60 * 384
     scales = PUBLISHED_PARAMS["kimi-k2"][0] - weights
     assert 0 < scales < weights / (128 * 128) * 1.01  # one fp32 scale per 128×128 block, ~63M
+
+
+@pytest.mark.slow  # building 1T-parameter models abstractly: 5-45 s each on 2 cores
+def test_deepseek_v32_matches_its_checkpoint_to_the_element():
+    """deepseek-ai/DeepSeek-V3.2's files hold our Params (the MTP layer included), the router bias buffers, the MTP
+    layer's own copies of the embedding and the head, and one fp32 scale per 128x128 tile of every FP8 weight:
+    each MLA and indexer projection but weights_proj (62 layers), the dense MLPs (3) and the experts plus shared
+    expert of the 59 MoE layers. The sum is the published tensor total, to the element."""
+    c = counts("deepseek-v3.2")
+    D, Q, C, E, I, F, H = 7168, 1536, 512, 256, 2048, 18432, 128
+
+    def tiles(rows: int, cols: int) -> int:
+        return -(-rows // 128) * -(-cols // 128)
+
+    attention = (tiles(Q, D) + tiles(H * 192, Q) + tiles(C + 64, D) + tiles(H * 256, C) + tiles(D, H * 128)
+                 + tiles(64 * 128, Q) + tiles(128, D))  # q_a, q_b, kv_a, kv_b, o, indexer wq_b, indexer wk
+    scales = 62 * attention + 3 * 3 * tiles(F, D) + 59 * (E + 1) * 3 * tiles(I, D)
+    assert c["buffers"] == 59 * E
+    assert c["total"] + c["buffers"] + 2 * c["embedding"] + scales == CHECKPOINT_TENSORS["deepseek-v3.2"][0]
+
+
+@pytest.mark.slow  # building 1T-parameter models abstractly: 5-45 s each on 2 cores
+def test_dsa_presets_decompose_into_deepseek_v3_plus_the_indexers():
+    """DeepSeek-V3.2 is DeepSeek-V3 plus one indexer (wq_b, wk, weights_proj, k_norm) per layer, MTP layer
+    included; GLM-5 has an indexer in every one of its 78 + 1 layers (no indexer_types in its config.json)."""
+    v3, v32, glm = counts("deepseek-v3"), counts("deepseek-v3.2"), counts("glm-5")
+    indexer = 1536 * 64 * 128 + 7168 * 128 + 7168 * 64 + 2 * 128
+    assert v32["total"] - v3["total"] == 62 * indexer
+    assert v32["active"] - v3["active"] == 61 * (indexer - 2 * 128)  # norms are not matmul weights
+    glm_indexer = 2048 * 32 * 128 + 6144 * 128 + 6144 * 32 + 2 * 128
+    D, L, dense, E, k, I = 6144, 78, 3, 256, 8, 2048
+    untouched = (L - dense) * (E - k) * 3 * D * I + L * (2 * D + 2048 + 512 + 2 * 128) + D  # experts, norms
+    assert glm["total_main"] - glm["active_no_head"] - glm["embedding"] - glm["lm_head"] == untouched
+    assert glm["mtp"] > glm_indexer and glm["buffers"] == (L - dense + 1) * E

@@ -47,7 +47,7 @@ from models.quant.formats.int_formats import pack, unpack  # noqa: F401 - re-exp
 from models.quant.formats.registry import weight_formats
 from models.quant.schemes import Scheme, parse_scheme
 from models.quant.state import QMatrix, iter_qmatrices, set_activations, set_experts, set_linear
-from models.quant.targets import ALWAYS_IGNORED, quant_units
+from models.quant.targets import ALWAYS_IGNORED, float_by_default, quant_units
 
 ROUTER_PATTERNS = (r"re:.*mlp\.gate$", r"re:.*mlp\.router$")  # written to `ignore` for engines that wrap routers
 
@@ -127,7 +127,8 @@ def to_compressed_tensors(model: nnx.Module, scheme: Scheme, ignore: Sequence[st
             tensors[f"{name}.bias"] = np.asarray(bias[...]).astype(scale_dtype)
     from models.quant.kv_cache import kv_cache_scheme  # its k/v scales are the attention's own (`hf_raw`) tensors
 
-    return {**compressed_tensors_config(scheme, ignore), "kv_cache_scheme": kv_cache_scheme(model)}, tensors
+    config = compressed_tensors_config(scheme, (*float_by_default(model), *ignore))  # + DSA's weights_proj
+    return {**config, "kv_cache_scheme": kv_cache_scheme(model)}, tensors
 
 
 # ------------------------------------------------------------------------------------------------
@@ -173,7 +174,7 @@ def prepare_for_load(model: nnx.Module, scheme: Scheme, names: set[str]) -> None
     """Give every module the checkpoint holds quantized (its `weight_packed`, or FP8 `weight_scale`) zero
     quantized state of the right shapes, so hf_to_state can fill it; `model.quant_scheme` records the scheme."""
     marker = "weight_scale"
-    for u in quant_units(model):
+    for u in quant_units(model, float_by_default=False):
         m = u.module
         if isinstance(m, Linear):
             if f"{u.name}.{marker}" in names:
