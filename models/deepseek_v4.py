@@ -410,6 +410,7 @@ class V4Indexer(nnx.Module):
     compressor at index_head_dim, queries from the q latent rotated at the query positions, and V3.2's top-k
     selection (score Σ_h w_h · relu(q_h · k) · DI^-0.5 with w = weights_proj(x) · H^-0.5)."""
 
+    scores = DSAIndexer.scores  # q, weights, keys -> the index scores [B, T, W]
     select = DSAIndexer.select  # [B, T, W] visible entries -> the index_topk best of each query
 
     def __init__(self, config: DeepseekV4Config, *, rngs: nnx.Rngs, dtype: Any, param_dtype: Any):
