@@ -644,6 +644,21 @@ class DeepseekV4(DecoderLM):
         self.head = nnx.data(self.lm_head)  # transformers writes the LM head as top-level `head.weight`
         self.lm_head = nnx.data(None)
 
+    @staticmethod
+    def hf_published_name(name: str) -> str:
+        """The published files' (the reference's) name of a tensor -> transformers' save name, which the loader
+        reads: `embed.weight`, `norm.weight`, `hc_head_fn` and `layers.{i}.…` gain the `model.` prefix transformers'
+        conversion mapping gives them; `head.weight` and the MTP layer's `mtp.{k}.…` keep theirs."""
+        if name in ("embed.weight", "norm.weight"):
+            return "model.embed_tokens.weight" if name == "embed.weight" else "model.norm.weight"
+        if name.startswith("hc_head_"):
+            return "model.hc_head.hc_" + name.removeprefix("hc_head_")
+        return "model." + name if name.startswith("layers.") else name
+
+    def hf_accepts(self, name: str) -> bool:
+        """The published MTP layer (`mtp.{k}.…`), which transformers ignores and this model does not build."""
+        return name.startswith("mtp.") or super().hf_accepts(name)
+
     def rope(self, positions: jax.Array) -> dict[str, tuple[jax.Array, jax.Array]]:
         c = self.config
         return {"main": c.rope_tables(positions, compressed=False),

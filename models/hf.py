@@ -46,6 +46,7 @@ from models import families, pruning, quant, views
 from models.config_schema import check_sizes
 from models.layers import Buffer, Embed, Linear, QuantScale, RMSNorm, hf_name
 from models.quant.formats import DequantizingCheckpoint
+from models.quant.formats.deepseek_v4 import RenamedCheckpoint
 from models.safetensors_io import (  # noqa: F401  (re-exported: callers import the file layer from here too)
     INDEX_FILE,
     NUMPY_DTYPES,
@@ -441,7 +442,9 @@ def _abstract_model(read: tuple[str, dict[str, Any], Any, type], checkpoint: Saf
     """(abstract model, tensors as its loader reads them): the layer selection, the family's model built with
     `nnx.eval_shape`, on-load dequantization or the compressed-tensors structure."""
     config_path, cfg_dict, config, model_cls = read
-    tensors: Mapping[str, np.ndarray] = checkpoint if layers is None else pruning.LayerSelection(checkpoint, layers)
+    published_name = getattr(model_cls, "hf_published_name", None)  # a reference's own names (DeepSeek-V4's)
+    stored = checkpoint if published_name is None else RenamedCheckpoint(checkpoint, published_name)
+    tensors: Mapping[str, np.ndarray] = stored if layers is None else pruning.LayerSelection(stored, layers)
     for_checkpoint = getattr(config, "for_checkpoint", None)
     if for_checkpoint is not None:  # e.g. how many MTP layers the files actually hold
         config = for_checkpoint(set(tensors))

@@ -25,12 +25,13 @@ import numpy as np
 from models import views
 
 SAFETENSORS_DTYPES = {  # safetensors dtype tag -> bytes per element
-    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "E8M0": 1, "I16": 2, "U16": 2, "F16": 2,
+    "BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "E8M0": 1, "F8_E8M0": 1, "I16": 2, "U16": 2, "F16": 2,
     "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8,
 }
 NUMPY_DTYPES = {  # safetensors dtype tag -> numpy dtype (ml_dtypes supplies bf16 / fp8 / e8m0)
     "BOOL": np.bool_, "U8": np.uint8, "I8": np.int8, "F8_E4M3": ml_dtypes.float8_e4m3fn,
-    "F8_E5M2": ml_dtypes.float8_e5m2, "E8M0": ml_dtypes.float8_e8m0fnu, "I16": np.int16, "U16": np.uint16,
+    "F8_E5M2": ml_dtypes.float8_e5m2, "E8M0": ml_dtypes.float8_e8m0fnu,
+    "F8_E8M0": ml_dtypes.float8_e8m0fnu, "I16": np.int16, "U16": np.uint16,
     "F16": np.float16, "BF16": ml_dtypes.bfloat16, "I32": np.int32, "U32": np.uint32, "F32": np.float32,
     "I64": np.int64, "U64": np.uint64, "F64": np.float64,
 }

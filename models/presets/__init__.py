@@ -84,6 +84,17 @@ Where the configs come from (exact keys and values of the public files; none was
   `GlmMoeDsaConfig` defaults, and the GLM-5 technical report's table (3 dense + 75 MoE layers, width 6144, 64
   heads, q / kv LoRA 2048 / 512, QK head 192 + 64, V head 256, 256 experts top-8 + 1 shared, a 32-head indexer of
   128 dims, vocab 154880). Not cross-checked against a raw copy: `dtype` (one copy spells it `torch_dtype`).
+* deepseek-v4-flash -- https://huggingface.co/deepseek-ai/DeepSeek-V4-Flash/blob/main/config.json and
+  deepseek-v4-pro -- https://huggingface.co/deepseek-ai/DeepSeek-V4-Pro/blob/main/config.json (key-sorted, then
+  `compress_rope_theta` and the per-layer `compress_ratios` appended: num_hidden_layers + 1 entries, the last
+  one the MTP layer's 0; top-level `expert_dtype: fp4`, which transformers folds into the quantization_config;
+  `transformers_version` 4.57.1). The Pro file is a verbatim copy from public deployment code (every key and
+  value); the Flash file is the same key set with Flash's values, cross-checked against two public verbatim
+  copies (an inference-integration test: every architecture key, `expert_dtype`, the quantization_config and
+  the ratios [0, 0, (4, 128) × 20, 4, 0]; a serving engine's test of the Flash-Base file: the same values plus
+  `bos_token_id`, `eos_token_id`, `initializer_range`, `torch_dtype`, `transformers_version`, `use_cache`),
+  against the model card's architecture notes (Pro: 61 layers, the first two HCA; 384 experts top-6, 128 heads
+  in 16 output groups) and transformers' `DeepseekV4Config` defaults (Flash's shapes).
 * llama-3.1-70b -- https://huggingface.co/meta-llama/Llama-3.1-70B/blob/main/config.json (the base model:
   eos_token_id 128001; Instruct lists [128001, 128008, 128009]). The key set is the Llama-3.1 family file
   (verbatim copies of Llama-3.1-8B's in TensorRT-LLM and other tests); the 70B values (8192 / 28672 / 64 /
@@ -115,6 +126,8 @@ PRESETS: dict[str, str] = {  # preset name -> Hugging Face repo id
     "llama-3.1-70b": "meta-llama/Llama-3.1-70B",
     "deepseek-v3.2": "deepseek-ai/DeepSeek-V3.2",
     "glm-5": "zai-org/GLM-5",
+    "deepseek-v4-flash": "deepseek-ai/DeepSeek-V4-Flash",
+    "deepseek-v4-pro": "deepseek-ai/DeepSeek-V4-Pro",
 }
 
 # Total parameters as each publisher states them. None of them counts MTP layers (see `count_params`'s
@@ -150,6 +163,15 @@ PUBLISHED_PARAMS: dict[str, tuple[int, str]] = {
     "glm-5": (744_000_000_000,
               "GLM-5 model card / technical report (arXiv 2602.15763): 744B total, 40B activated; the main model "
               "(78 layers, an indexer in each) without the MTP layer"),
+    "deepseek-v4-flash": (284_000_000_000,
+                          "DeepSeek-V4 model card (deepseek-ai/DeepSeek-V4-Flash) and technical report: 284B "
+                          "parameters, 13B activated; the main model (43 layers) without the MTP layer, which "
+                          "transformers (and we) do not build (with it: ~291B by our count)"),
+    "deepseek-v4-pro": (1_600_000_000_000,
+                        "DeepSeek-V4 model card (deepseek-ai/DeepSeek-V4-Pro) and technical report: 1.6T parameters, "
+                        "49B activated. Two significant figures: our main model (61 layers, no MTP layer, the "
+                        "definition that matches Flash's 284B to 0.1 %) is 1.573T, which rounds to 1.6T but is "
+                        "1.7 % under it; with the MTP layer it would be ~1.599T"),
 }
 
 # Every tensor element of a published checkpoint (weights, router bias buffers, MTP copies of the embedding and
@@ -184,6 +206,12 @@ PUBLISHED_ACTIVE: dict[str, tuple[int, str, str]] = {
     "glm-5": (40_000_000_000, "active_no_head",
               "GLM-5 model card / technical report: 40B activated; matches without the LM head, as GLM-4.5's "
               "32B does (with it: +2.1%)"),
+    "deepseek-v4-flash": (13_000_000_000, "active",
+                          "DeepSeek-V4 model card: DeepSeek-V4-Flash 13B activated; DeepSeek's definition (routed "
+                          "top-6 + shared expert, attention, indexer and compressors, the head; no embedding)"),
+    "deepseek-v4-pro": (49_000_000_000, "active",
+                        "DeepSeek-V4 model card: DeepSeek-V4-Pro 49B activated, DeepSeek's definition (head "
+                        "included)"),
 }
 
 
@@ -216,7 +244,7 @@ def count_params(config: Mapping[str, Any], *, param_dtype: Any = jnp.bfloat16) 
             counts["mtp"] += size
         elif keys[0] == "embed_tokens":
             counts["embedding"] += size
-        elif keys[0] == "lm_head":
+        elif keys[0] in ("lm_head", "head"):  # DeepSeek-V4's LM head is the top-level `head`
             counts["lm_head"] += size
     counts["total_main"] = counts["total"] - counts["mtp"]
     counts["buffers"] = sum(int(leaf.size) for leaf in jax.tree_util.tree_leaves(nnx.state(model, Buffer)))

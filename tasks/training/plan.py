@@ -131,6 +131,8 @@ def with_depth(cfg: Any, n: int) -> Any:
     changes: dict[str, Any] = {"num_hidden_layers": n}
     if getattr(cfg, "layer_types", None) is not None:
         changes["layer_types"] = tuple(cfg.layer_types[:n])
+    if getattr(cfg, "mlp_layer_types", None) is not None:  # DeepSeek-V4's hash / learned routing per layer
+        changes["mlp_layer_types"] = tuple(cfg.mlp_layer_types[:n])
     if getattr(cfg, "mlp_only_layers", None):
         changes["mlp_only_layers"] = tuple(i for i in cfg.mlp_only_layers if i < n)
     return dataclasses.replace(cfg, **changes)

@@ -26,6 +26,8 @@ EXPECTED = {
     "llama-3.1-70b": "meta-llama/Llama-3.1-70B",
     "deepseek-v3.2": "deepseek-ai/DeepSeek-V3.2",
     "glm-5": "zai-org/GLM-5",
+    "deepseek-v4-flash": "deepseek-ai/DeepSeek-V4-Flash",
+    "deepseek-v4-pro": "deepseek-ai/DeepSeek-V4-Pro",
 }
 # MTP layers our model builds from config.json alone: DeepSeek-V3 (and V3.2, GLM-5) builds num_nextn_predict_layers
 # (1); GLM-4.5 declares 1 but builds none until Glm4MoeConfig.for_checkpoint sees the MTP tensors.

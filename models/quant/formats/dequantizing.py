@@ -15,10 +15,18 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 
+import ml_dtypes
 import numpy as np
 
 from models import views
 from models.quant.formats.deepseek_fp8 import FP8_BLOCK, SCALE_INV_SUFFIX, dequant_fp8_block
+from models.quant.formats.deepseek_v4 import (
+    FP4_PACKED_DTYPES,
+    SCALE_SUFFIX,
+    FP4RowsView,
+    dequant_fp4_rows,
+    tensor_dtype,
+)
 from models.quant.formats.mxfp4 import dequant_mxfp4
 
 
@@ -27,6 +35,8 @@ class DequantizingCheckpoint(Mapping):
 
     * `X.weight` stored as F8_E4M3 with `X.weight_scale_inv` -> float32 `X.weight`; the scale is hidden.
     * `X_blocks` + `X_scales` (MXFP4) -> float32 `X` in transformers' [E, in, out] layout.
+    * DeepSeek-V4's `X.weight` + `X.scale` (E8M0): F8_E4M3 weights as FP8 blocks (above), int8 ones as FP4 rows
+      [out, in/2] with one scale per 32 values (models/quant/formats/deepseek_v4.py) -> float32 `X.weight`.
     Other tensors pass through. `path_of`, `shape` and `source_names` keep error messages exact.
     """
 
@@ -35,7 +45,15 @@ class DequantizingCheckpoint(Mapping):
         names = set(base)
         self.fp8: dict[str, str] = {}  # weight name -> its scale_inv name
         self.mxfp4: dict[str, tuple[str, str]] = {}  # logical name -> (blocks, scales)
+        self.fp4: dict[str, str] = {}  # DeepSeek-V4 expert weight name -> its scale name
         for name in names:
+            weight = name[: -len(SCALE_SUFFIX)] + ".weight"
+            if name.endswith(SCALE_SUFFIX) and weight in names:  # DeepSeek-V4: the scale by its module's name
+                dtype = tensor_dtype(base, weight)
+                if dtype in FP4_PACKED_DTYPES:
+                    self.fp4[weight] = name
+                elif dtype == np.dtype(ml_dtypes.float8_e4m3fn):
+                    self.fp8[weight] = name
             if name.endswith(SCALE_INV_SUFFIX):
                 weight = name[: -len(SCALE_INV_SUFFIX)]
                 if weight in names:
@@ -43,18 +61,19 @@ class DequantizingCheckpoint(Mapping):
             if name.endswith("_blocks") and name[: -len("_blocks")] + "_scales" in names:
                 logical = name[: -len("_blocks")]
                 self.mxfp4[logical] = (name, logical + "_scales")
-        hidden = set(self.fp8.values()) | {n for pair in self.mxfp4.values() for n in pair}
+        hidden = set(self.fp8.values()) | set(self.fp4.values()) | {n for pair in self.mxfp4.values() for n in pair}
         self.names = sorted((names - hidden) | set(self.mxfp4))
         self._known = set(self.names)
 
     @property
     def quantized(self) -> bool:
-        return bool(self.fp8 or self.mxfp4)
+        return bool(self.fp8 or self.mxfp4 or self.fp4)
 
     def source_names(self, name: str) -> tuple[str, ...]:
         if name in self.mxfp4:
             return self.mxfp4[name]
-        return (name, self.fp8[name]) if name in self.fp8 else (name,)
+        scale = self.fp8.get(name) or self.fp4.get(name)
+        return (name, scale) if scale else (name,)
 
     def path_of(self, name: str) -> str:
         path_of = getattr(self.base, "path_of", None)
@@ -66,6 +85,9 @@ class DequantizingCheckpoint(Mapping):
             b = self.base.shape(blocks) if hasattr(self.base, "shape") else np.shape(self.base[blocks])
             *lead, out, groups, _ = b
             return (*lead, groups * 32, out)
+        if name in self.fp4:
+            rows, half = self.base.shape(name) if hasattr(self.base, "shape") else np.shape(self.base[name])
+            return (rows, 2 * half)
         return tuple(self.base.shape(name)) if hasattr(self.base, "shape") else tuple(self[name].shape)
 
     def __getitem__(self, name: str) -> np.ndarray:
@@ -77,6 +99,11 @@ class DequantizingCheckpoint(Mapping):
                 return dequant_fp8_block(self.base[name], self.base[self.fp8[name]])
             except ValueError as e:
                 raise ValueError(f"{self.path_of(name)}: tensor {self.fp8[name]}: {e}") from None
+        if name in self.fp4:
+            try:
+                return dequant_fp4_rows(self.base[name], self.base[self.fp4[name]])
+            except ValueError as e:
+                raise ValueError(f"{self.path_of(name)}: tensor {self.fp4[name]}: {e}") from None
         if name not in self.names:
             raise KeyError(name)
         return self.base[name]
@@ -106,6 +133,11 @@ class DequantizingCheckpoint(Mapping):
                 raise ValueError(f"{self.path_of(name)}: MXFP4 blocks {list(blocks.shape)} do not match scales "
                                  f"{list(scales.shape)}")
             return MXFP4View(blocks, scales)
+        if name in self.fp4:
+            try:
+                return FP4RowsView(base_view(name), base_view(self.fp4[name]))
+            except ValueError as e:
+                raise ValueError(f"{self.path_of(name)}: tensor {self.fp4[name]}: {e}") from None
         return base_view(name)
 
     def __iter__(self) -> Iterator[str]:
