@@ -235,7 +235,7 @@ def _check_quantize(cfg) -> None:
     from flax import nnx
 
     import storage
-    from models import families
+    from models import abstract, families
     from models.config_schema import check_sizes
     from tasks.base_model import shape_config
     from tasks.quantize import check_fits
@@ -262,7 +262,7 @@ def _check_quantize(cfg) -> None:
             _fail(f"base.url: {source}: missing key {e.args[0]!r}")
         except (ValueError, TypeError, NotImplementedError) as e:
             _fail(f"base.url: {source}: {_first_line(e).removeprefix(source + ': ').removeprefix('config.json: ')}")
-    check_fits(cfg.quantize, nnx.eval_shape(lambda: model_cls(config, rngs=nnx.Rngs(0))))
+    check_fits(cfg.quantize, abstract.eval_shape(lambda: model_cls(config, rngs=nnx.Rngs(0))))
 
 
 SHOWN = ("tokens.train", "rows.train", "params", "valid_loss_before", "valid_loss_after", "tokens_per_s",

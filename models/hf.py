@@ -42,7 +42,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from models import families, pruning, quant, views
+from models import abstract, families, pruning, quant, views
 from models.config_schema import check_sizes
 from models.layers import Buffer, Embed, Linear, QuantScale, RMSNorm, hf_name
 from models.quant.formats import DequantizingCheckpoint
@@ -448,7 +448,7 @@ def _abstract_model(read: tuple[str, dict[str, Any], Any, type], checkpoint: Saf
     for_checkpoint = getattr(config, "for_checkpoint", None)
     if for_checkpoint is not None:  # e.g. how many MTP layers the files actually hold
         config = for_checkpoint(set(tensors))
-    model = nnx.eval_shape(lambda: model_cls(config, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=dtype))
+    model = abstract.eval_shape(lambda: model_cls(config, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=dtype))
     qcfg = cfg_dict.get("quantization_config") or {}
     method = qcfg.get("quant_method")
     if method in ("fp8", "mxfp4"):

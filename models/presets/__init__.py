@@ -113,7 +113,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from models import families
+from models import abstract, families
 from models.layers import Buffer
 
 PRESETS: dict[str, str] = {  # preset name -> Hugging Face repo id
@@ -232,7 +232,7 @@ def count_params(config: Mapping[str, Any], *, param_dtype: Any = jnp.bfloat16) 
     """
     config_cls, model_cls = families.resolve(config)
     cfg = config_cls.from_hf(config)
-    model = nnx.eval_shape(lambda: model_cls(cfg, rngs=nnx.Rngs(0), dtype=param_dtype, param_dtype=param_dtype))
+    model = abstract.eval_shape(lambda: model_cls(cfg, rngs=nnx.Rngs(0), dtype=param_dtype, param_dtype=param_dtype))
     leaves, _ = jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.Param))
     main_layers = cfg.num_hidden_layers
     counts = {"total": 0, "mtp": 0, "embedding": 0, "lm_head": 0}

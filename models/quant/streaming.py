@@ -48,7 +48,7 @@ from typing import Any
 import numpy as np
 from flax import nnx
 
-from models import families
+from models import abstract, families
 from models.layers import Linear
 from models.moe import Experts
 from models.quant.driver import fused_groups, quantize_matrix
@@ -95,7 +95,7 @@ def _abstract_model(src: str, cfg_dict: dict[str, Any], names: set[str]) -> nnx.
     for_checkpoint = getattr(config, "for_checkpoint", None)
     if for_checkpoint is not None:
         config = for_checkpoint(names)
-    return nnx.eval_shape(lambda: model_cls(config, rngs=nnx.Rngs(0)))
+    return abstract.eval_shape(lambda: model_cls(config, rngs=nnx.Rngs(0)))
 
 
 class _Destination:

@@ -111,7 +111,7 @@ def abstract_model(cfg: Any, model_cls: type, req: Request) -> Any:
     import jax.numpy as jnp
     from flax import nnx
 
-    from models import lora
+    from models import abstract, lora
     from models.lora_targets import ALL_LINEAR
 
     dtype = jnp.dtype(req.dtype)
@@ -123,7 +123,7 @@ def abstract_model(cfg: Any, model_cls: type, req: Request) -> Any:
                             targets=req.lora_targets or ALL_LINEAR, rngs=nnx.Rngs(1))
         return model
 
-    return nnx.eval_shape(build)
+    return abstract.eval_shape(build)
 
 
 def with_depth(cfg: Any, n: int) -> Any:

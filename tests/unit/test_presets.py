@@ -80,8 +80,14 @@ def test_preset_parses_with_our_config_class(name):
     assert bool(cfg.tie_word_embeddings) is bool(d.get("tie_word_embeddings", False))
 
 
-@pytest.mark.slow  # building 1T-parameter models abstractly: 5-45 s each on 2 cores
-@pytest.mark.parametrize("name", list(PRESETS))
+# Published totals given to fewer significant figures than 1 % resolves: within 1 % of the rounded figure is not
+# what the publisher claims, rounding to it is (DeepSeek-V4-Pro's "1.6T": our 1.573T, its Flash sibling within
+# 0.12 % of "284B" under the same definition; see PUBLISHED_PARAMS)
+ROUNDED = {"deepseek-v4-pro": 2}
+
+
+@pytest.mark.slow  # building 1T-parameter models abstractly: 2-10 s each on 2 cores
+@pytest.mark.parametrize("name", [n for n in PRESETS if n not in ROUNDED])
 def test_total_within_1pct_of_published(name):
     """Publishers' totals are the main model (no MTP layer); ours is `total_main`."""
     c = counts(name)
@@ -91,7 +97,16 @@ def test_total_within_1pct_of_published(name):
     assert abs(c["total_main"] / published - 1) < 0.01, (c["total_main"], published)
 
 
-@pytest.mark.slow  # building 1T-parameter models abstractly: 5-45 s each on 2 cores
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(ROUNDED))
+def test_total_rounds_to_a_coarsely_published_figure(name):
+    c = counts(name)
+    published, _ = PUBLISHED_PARAMS[name]
+    assert (c["mtp"] > 0) is (name in MTP_BUILT)
+    assert float(f"{c['total_main']:.{ROUNDED[name]}g}") == published, (c["total_main"], published)
+
+
+@pytest.mark.slow  # building 1T-parameter models abstractly: 2-10 s each on 2 cores
 @pytest.mark.parametrize("name", sorted(PUBLISHED_ACTIVE))
 def test_active_within_2pct_of_published(name):
     c = counts(name)
@@ -101,7 +116,7 @@ def test_active_within_2pct_of_published(name):
     assert c["active_no_head"] < c["active"] < c["active_with_embedding"] < c["total_main"]
 
 
-@pytest.mark.slow  # building 1T-parameter models abstractly: 5-45 s each on 2 cores
+@pytest.mark.slow  # building 1T-parameter models abstractly: 2-10 s each on 2 cores
 def test_deepseek_v3_decomposes_exactly():
     """flops.py's per-token matmul count and the built model agree to the parameter: what a token does not
     touch is the 248 unrouted experts of each of the 58 MoE layers plus the norms; the MTP layer is one
@@ -115,7 +130,7 @@ def test_deepseek_v3_decomposes_exactly():
     assert abs(c["mtp"] / 11.5e9 - 1) < 0.01, c["mtp"]
 
 
-@pytest.mark.slow  # building 1T-parameter models abstractly: 5-45 s each on 2 cores
+@pytest.mark.slow  # building 1T-parameter models abstractly: 2-10 s each on 2 cores
 def test_llama_3_1_70b_is_dense():
     c = counts("llama-3.1-70b")
     assert c["total"] == 70_553_706_496  # the checkpoint's parameter count, to the parameter
@@ -123,7 +138,7 @@ def test_llama_3_1_70b_is_dense():
     assert c["buffers"] == c["mtp"] == 0
 
 
-@pytest.mark.slow  # building 1T-parameter models abstractly: 5-45 s each on 2 cores
+@pytest.mark.slow  # building 1T-parameter models abstractly: 2-10 s each on 2 cores
 def test_kimi_k2_matches_its_checkpoint():
     """The Instruct checkpoint's tensors: weights (our Params + the router bias buffers) plus FP8 scales."""
     c = counts("kimi-k2")
@@ -133,7 +148,7 @@ def test_kimi_k2_matches_its_checkpoint():
     assert 0 < scales < weights / (128 * 128) * 1.01  # one fp32 scale per 128×128 block, ~63M
 
 
-@pytest.mark.slow  # building 1T-parameter models abstractly: 5-45 s each on 2 cores
+@pytest.mark.slow  # building 1T-parameter models abstractly: 2-10 s each on 2 cores
 def test_deepseek_v32_matches_its_checkpoint_to_the_element():
     """deepseek-ai/DeepSeek-V3.2's files hold our Params (the MTP layer included), the router bias buffers, the MTP
     layer's own copies of the embedding and the head, and one fp32 scale per 128x128 tile of every FP8 weight:
@@ -152,7 +167,7 @@ def test_deepseek_v32_matches_its_checkpoint_to_the_element():
     assert c["total"] + c["buffers"] + 2 * c["embedding"] + scales == CHECKPOINT_TENSORS["deepseek-v3.2"][0]
 
 
-@pytest.mark.slow  # building 1T-parameter models abstractly: 5-45 s each on 2 cores
+@pytest.mark.slow  # building 1T-parameter models abstractly: 2-10 s each on 2 cores
 def test_dsa_presets_decompose_into_deepseek_v3_plus_the_indexers():
     """DeepSeek-V3.2 is DeepSeek-V3 plus one indexer (wq_b, wk, weights_proj, k_norm) per layer, MTP layer
     included; GLM-5 has an indexer in every one of its 78 + 1 layers (no indexer_types in its config.json)."""
