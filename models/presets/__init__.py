@@ -216,7 +216,7 @@ def count_params(config: Mapping[str, Any], *, param_dtype: Any = jnp.bfloat16) 
             counts["mtp"] += size
         elif keys[0] == "embed_tokens":
             counts["embedding"] += size
-        elif keys[0] == "lm_head":
+        elif keys[0] in ("lm_head", "head"):  # DeepSeek-V4 writes its LM head as top-level `head`
             counts["lm_head"] += size
     counts["total_main"] = counts["total"] - counts["mtp"]
     counts["buffers"] = sum(int(leaf.size) for leaf in jax.tree_util.tree_leaves(nnx.state(model, Buffer)))
