@@ -323,6 +323,11 @@ class DecoderLM(nnx.Module):
         """The last layer's residual -> [B, T, D] for the final norm (DeepSeek-V4 mixes its streams)."""
         return x
 
+    def layer_feature(self, x: jax.Array) -> jax.Array:
+        """A decoder layer's output residual -> the [B, T, D] hidden state `return_hidden` gives for it (the
+        residual itself; DeepSeek-V4 reduces its streams)."""
+        return x
+
     def lm_logits(self, x: jax.Array) -> jax.Array:
         """Normed hidden [B, T, D] -> logits [B, T, V]."""
         return self.embed_tokens.attend(x) if self.lm_head is None else self.lm_head(x)
@@ -412,7 +417,7 @@ class DecoderLM(nnx.Module):
                 x, cache = self.layers[i](x, ctx, cache, i)
             x = self.constrain(x)
             if i in wanted:
-                hidden[i] = x
+                hidden[i] = self.layer_feature(x)  # [B, T, D]
         x = self.norm(self.streams_out(x))
         hidden[L] = x
         logits = self.constrain(self.lm_logits(x))  # [B, T, V]

@@ -641,8 +641,18 @@ class DeepseekV4(DecoderLM):
                          rngs=rngs, dtype=dtype, param_dtype=param_dtype, norm_weight_in_fp32=True)
         self.norm.keep_fp32 = True
         self.hc_head = HyperHead(config, rngs=rngs)
-        self.head = nnx.data(self.lm_head)  # transformers writes the LM head as top-level `head.weight`
-        self.lm_head = nnx.data(None)
+
+    # The LM head is the module `head` (transformers writes it as top-level `head.weight`); `lm_head` is the same
+    # module under the name every family answers to (drafts, rotations, the quantizer's ignore), so V4 reads as
+    # untied unless `tie_word_embeddings` (then both are None). A property, not a second attribute: the graph
+    # (and so every HF name) holds the head once, as `head`.
+    @property
+    def lm_head(self) -> Linear | None:
+        return self.head
+
+    @lm_head.setter
+    def lm_head(self, value: Linear | None) -> None:  # DecoderLM.__init__ builds the head as `lm_head`
+        self.head = nnx.data(value)
 
     @staticmethod
     def hf_published_name(name: str) -> str:
@@ -670,8 +680,13 @@ class DeepseekV4(DecoderLM):
     def streams_out(self, x: jax.Array) -> jax.Array:
         return self.hc_head(x)
 
-    def lm_logits(self, x: jax.Array) -> jax.Array:
-        return self.embed_tokens.attend(x) if self.head is None else self.head(x)
+    def layer_feature(self, x: jax.Array) -> jax.Array:
+        """A layer's streams [B, T, n, D] -> its feature [B, T, D] (`return_hidden`, the drafts' taps): the mean of
+        the streams. mHC's comb is doubly stochastic (Sinkhorn), so Σ_k of the streams after a block is Σ_k before
+        plus (Σ_k post_k)·h: the stream mean accumulates the blocks exactly as a single residual stream does, with
+        no weight of its own. The `hc_head` collapse instead weighs the streams by pre-weights learned for the
+        last layer only, on the last layer's statistics."""
+        return jnp.mean(x, axis=2)
 
 
 FAMILY = (DeepseekV4Config, DeepseekV4)  # registered by REGISTRY, at the top

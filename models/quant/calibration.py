@@ -53,6 +53,7 @@ from models.moe import Experts, block_rows
 from models.quant.targets import Unit, _module
 
 _HI = jax.lax.Precision.HIGHEST  # full-fp32 matmuls also on GPUs that default to TF32
+INPUT_IDS = "input_ids"  # a calibration carry's token ids [B, T], set as the layers' Context.input_ids
 
 
 @dataclasses.dataclass
@@ -268,6 +269,7 @@ def _layer_context(model: nnx.Module, seg: jax.Array, i: int, carry: Mapping[str
     ctx, _ = build_context(T, B, positions=None, segment_ids=seg, cache=None, windows={model.layer_window(i)})
     ctx.rope = model.rope(ctx.positions)
     ctx.carry = dict(carry or {})
+    ctx.input_ids = ctx.carry.get(INPUT_IDS)  # [B, T] the batch's tokens (DeepSeek-V4's hash routers read them)
     return ctx
 
 
@@ -323,10 +325,12 @@ def _layer_forward_carry(model: nnx.Module, x: jax.Array, seg: jax.Array, i: int
 
 def layer_inputs(model: nnx.Module, batches: Sequence[tuple[np.ndarray, np.ndarray]]
                  ) -> tuple[list[jax.Array], list[jax.Array], list[dict[str, jax.Array]]]:
-    """The first layer's inputs of calibration `batches`: (embeddings [B, T, D], segment ids [B, T], empty
-    carries), one per batch; `next_inputs` walks them through each layer."""
-    xs = [model.embed_tokens(jnp.asarray(ids)) for ids, _ in batches]  # [B, T, D] each
-    return xs, [jnp.asarray(seg, jnp.int32) for _, seg in batches], [{} for _ in batches]
+    """The first layer's inputs of calibration `batches`: (the residual the layers carry: embeddings [B, T, D], or
+    DeepSeek-V4's streams [B, T, n, D]; segment ids [B, T]; carries holding only the batch's token ids), one per
+    batch; `next_inputs` walks them through each layer."""
+    xs = [model.streams_in(model.embed_tokens(jnp.asarray(ids))) for ids, _ in batches]  # [B, T, (n,) D] each
+    carries = [{INPUT_IDS: jnp.asarray(ids, jnp.int32)} for ids, _ in batches]
+    return xs, [jnp.asarray(seg, jnp.int32) for _, seg in batches], carries
 
 
 def next_inputs(model: nnx.Module, xs: Sequence[jax.Array], segs: Sequence[jax.Array],

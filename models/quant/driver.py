@@ -39,7 +39,7 @@ from models.quant.rotation import rotate_model
 from models.quant.schemes import Options, Scheme, parse_scheme
 from models.quant.smoothquant import smooth_layer
 from models.quant.state import QMatrix, set_activations, set_experts, set_linear
-from models.quant.targets import Unit, check_supported, is_quantized, quant_units
+from models.quant.targets import Unit, check_folds, check_supported, is_quantized, quant_units
 
 # ------------------------------------------------------------------------------------------------
 # Quantizing one matrix
@@ -206,6 +206,7 @@ def quantize_model(model: nnx.Module, scheme: Scheme, batches: Sequence[tuple[np
     if not units:
         raise ValueError("nothing to quantize: every Linear is ignored")
     check_supported(units, scheme)
+    check_folds(units, scheme, opts.rotate)
     rotation = None
     if opts.rotate is not None:  # block rotations: one Hadamard per activation scale group (32 without one)
         grouped_act = scheme.act_format is not None and scheme.act_format.group is not None

@@ -24,7 +24,7 @@ from flax import nnx
 from models.layers import Linear, QuantScale, QuantWeight, QuantZero, param
 from models.moe import Experts
 from models.quant.schemes import FP4_GROUP, Scheme, parse_scheme
-from models.quant.targets import quant_units
+from models.quant.targets import expert_part, quant_units
 
 # ------------------------------------------------------------------------------------------------
 # Setting and reading the state: HF-oriented [out, in] codes, transposed to the kernels' [in, out]
@@ -146,7 +146,7 @@ def iter_qmatrices(model: nnx.Module) -> Iterator[tuple[str, QMatrix, Any]]:
         if not m.quantized:
             continue
         for e, part, qm in expert_qmatrices(m):
-            yield f"{u.name}.{e}.{part}", qm, None
+            yield f"{u.name}.{e}.{expert_part(m, part)}", qm, None
 
 
 # ------------------------------------------------------------------------------------------------

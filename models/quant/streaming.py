@@ -81,7 +81,7 @@ def quantized_tensors(model: nnx.Module, scheme: Scheme, ignore: Sequence[str]) 
             out[f"{u.name}.weight"] = u.name
         elif isinstance(u.module, Experts):
             for e in range(u.module.num_experts):
-                for proj in ("gate_proj", "up_proj", "down_proj"):
+                for proj in u.module.hf_names:
                     out[f"{u.name}.{e}.{proj}.weight"] = f"{u.name}.{e}.{proj}"
     return out
 

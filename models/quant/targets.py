@@ -2,10 +2,12 @@
 less what `ignore` matches (module names, or regexes prefixed `re:`, the way compressed-tensors'
 `targets` / `ignore` are matched in `utils/match.py`).
 
-Every Linear except `lm_head` and MTP layers' `eh_proj` (ALWAYS_IGNORED) and the DSA indexer's `weights_proj`
-(FLOAT_BY_DEFAULT), and every expert, is quantized unless it matches `ignore`; routers, norms and embeddings are
-never Linears here, so they always stay float. An Experts stack is quantized whole or not at all (an engine loads a
-stack with one format), and a group size must divide every quantized input width.
+Every Linear except the LM head (`lm_head`, DeepSeek-V4's top-level `head`) and MTP layers' `eh_proj`
+(ALWAYS_IGNORED) and what the publishers ship in bf16 beside FP8 (FLOAT_BY_DEFAULT: the DSA indexer's
+`weights_proj`, DeepSeek-V4's compressors and its indexer's compressor), and every expert, is quantized unless it
+matches `ignore`; routers, norms and embeddings are never Linears here, so they always stay float. An Experts
+stack is quantized whole or not at all (an engine loads a stack with one format), and a group size must divide
+every quantized input width. Experts are named on disk by the stack's `hf_names` (DeepSeek-V4: w1, w3, w2).
 
 GPT-OSS's fused experts (`hf_layout == "gpt_oss"`) have one layout on disk, GPT-OSS's own MXFP4
 (models/quant/formats/mxfp4.py), so only `mxfp4a16[-gptq]` quantizes them; and as in the published
@@ -28,11 +30,24 @@ from models.quant.schemes import Scheme
 
 # lm_head stays float; so does the MTP layers' eh_proj, which vLLM builds as a plain, unquantized Linear
 ALWAYS_IGNORED = ("lm_head", r"re:.*\.eh_proj$")
+# the LM head under the name a family writes it when not `lm_head` (DeepSeek-V4: `head`, which transformers loads
+# as `lm_head`); float like lm_head, named in a checkpoint's ignore list only for the models that have it
+OTHER_HEADS = ("head",)
 # Left float when quantizing (`quant_units`' default), still read quantized from a checkpoint that holds them so
 # (`float_by_default=False`): the DSA indexer's per-head weights (DeepSeek-V3.2 / GLM-5 `indexer.weights_proj`),
 # bf16 in every published FP8 checkpoint (GLM-5-FP8 lists it in modules_to_not_convert), fp32 in the reference code
 # and in transformers (`_keep_in_fp32_modules`, which its FP8 loader never converts), a bf16 GEMM in the engines
-FLOAT_BY_DEFAULT = (r"re:.*\.indexer\.weights_proj$",)
+# DeepSeek-V4-Flash ships its attention compressors' and its indexer's compressor's wkv / wgate in bf16 beside
+# FP8 (transformers lists them, as `compressor.{kv,gate}_proj` / `compressor.indexer.{kv,gate}_proj`, in
+# DeepseekV4's `_keep_in_fp32_modules` so that its FP8 loader skips them); the indexer's wq_b ships FP8.
+FLOAT_BY_DEFAULT = (r"re:.*\.indexer\.weights_proj$", r"re:.*\.attn\.compressor\.(wkv|wgate)$",
+                    r"re:.*\.attn\.indexer\.compressor\.(wkv|wgate)$")
+# the same modules under transformers' DeepSeek-V4 names (its conversion mapping renames them on load), where
+# compressed-tensors matches a checkpoint's `ignore` list: written there beside ours
+HF_RENAMED_FLOAT = {r"re:.*\.attn\.compressor\.(wkv|wgate)$": r"re:.*\.self_attn\.compressor\.(kv|gate)_proj$",
+                    r"re:.*\.attn\.indexer\.compressor\.(wkv|wgate)$":
+                        r"re:.*\.self_attn\.compressor\.indexer\.(kv|gate)_proj$",
+                    r"re:.*\.indexer\.weights_proj$": r"re:.*\.indexer\.scorer\.weights_proj$"}
 
 
 @dataclasses.dataclass
@@ -62,11 +77,22 @@ def float_by_default(model: nnx.Module) -> tuple[str, ...]:
     """The FLOAT_BY_DEFAULT patterns that match a Linear of `model`: what a quantized checkpoint's ignore list
     names besides ALWAYS_IGNORED (a Llama's lists none, a DeepSeek-V3.2's the indexer's weights_proj)."""
     names = [hf_name(path) for path, node in nnx.iter_graph(model) if isinstance(node, Linear)]
-    return tuple(p for p in FLOAT_BY_DEFAULT if any(_matches(n, (p,)) for n in names))
+    hits = [p for p in (*FLOAT_BY_DEFAULT, *OTHER_HEADS) if any(_matches(n, (p,)) for n in names)]
+    v4 = "head" in names  # DeepSeek-V4, whose module names transformers renames on load
+    renamed = [HF_RENAMED_FLOAT[p] for p in hits if v4 and p in HF_RENAMED_FLOAT]
+    return tuple(hits + renamed)
+
+
+EXPERT_PARTS = ("gate_proj", "up_proj", "down_proj")  # the roles; a stack's `hf_names` are their names on disk
+
+
+def expert_part(experts: Experts, part: str) -> str:
+    """The on-disk name of an expert's "gate_proj" | "up_proj" | "down_proj" (DeepSeek-V4's: w1, w3, w2)."""
+    return dict(zip(EXPERT_PARTS, experts.hf_names, strict=True))[part]
 
 
 def expert_names(prefix: str, experts: Experts) -> list[str]:
-    return [f"{prefix}.{e}.{p}" for e in range(experts.num_experts) for p in ("gate_proj", "up_proj", "down_proj")]
+    return [f"{prefix}.{e}.{p}" for e in range(experts.num_experts) for p in experts.hf_names]
 
 
 def is_gpt_oss_experts(module: Any) -> bool:
@@ -90,7 +116,8 @@ def quant_units(model: nnx.Module, ignore: Sequence[str] = (), scheme: Scheme | 
     for path, node in nnx.iter_graph(model):
         if isinstance(node, Linear):
             name = hf_name(path)
-            if not _matches(name, (*ALWAYS_IGNORED, *(FLOAT_BY_DEFAULT if float_by_default else ()), *ignore)):
+            skip = (*ALWAYS_IGNORED, *OTHER_HEADS, *(FLOAT_BY_DEFAULT if float_by_default else ()), *ignore)
+            if not _matches(name, skip):
                 units.append(Unit(name, tuple(path), node))
         elif isinstance(node, Experts):
             name = hf_name(path)
@@ -129,8 +156,7 @@ def check_divisible(units: Sequence[Unit], scheme: Scheme) -> None:
 def check_supported(units: Sequence[Unit], scheme: Scheme) -> None:
     """check_divisible, and GPT-OSS's fused experts only with mxfp4a16[-gptq] (their one on-disk layout is
     GPT-OSS's MXFP4; they have no compressed-tensors one), and then no Linear beside them (`quant_units`
-    with the scheme leaves them out: GPT-OSS's checkpoint keeps attention float). DeepSeek-V4's experts (and so
-    the model) are refused: none of the folds or calibration paths has been checked on it."""
+    with the scheme leaves them out: GPT-OSS's checkpoint keeps attention float)."""
     gpt_oss = [u.name for u in units if is_gpt_oss_experts(u.module)]
     if gpt_oss and not gpt_oss_mxfp4(scheme):
         raise ValueError(f"quantize: scheme {scheme.name}: {gpt_oss[0]}: GPT-OSS's fused experts are written only "
@@ -140,11 +166,24 @@ def check_supported(units: Sequence[Unit], scheme: Scheme) -> None:
         raise ValueError(f"quantize: scheme {scheme.name}: {linears[0]}: with GPT-OSS's MXFP4 experts every Linear "
                          "stays float (one quantization_config per checkpoint); select the units with "
                          "quant_units(model, ignore, scheme)")
-    clamped = [u.name for u in units if getattr(u.module, "activation", None) == "silu_clamped"]
-    if clamped:
-        raise ValueError(f"quantize: scheme {scheme.name}: {clamped[0]}: DeepSeek-V4 (clamped experts, "
-                         "compressed attention, mHC streams) is not supported by quantization yet")
     check_divisible(units, scheme)
+
+
+def check_folds(units: Sequence[Unit], scheme: Scheme, rotate: str | None) -> None:
+    """DeepSeek-V4 (clamped SwiGLU experts) with a transform that folds scales or rotations into the model: refused
+    by name, the rest of quantization (RTN, GPTQ, the FP8 / FP4 / int formats, unsmoothed W8A8) runs on it. AWQ's
+    fold through the up projection into down_proj moves the clamp (clip(up / s) ≠ clip(up) / s); the AWQ /
+    SmoothQuant norm folds and the rotations cover the GQA / MLA readers of the normed input, not V4's (its
+    compressors, its indexer, its q latent's two readers); a rotation of the residual would also have to rotate
+    every mHC stream and the hc_fn / hc_head weights that read them."""
+    v4 = [u.name for u in units if getattr(u.module, "activation", None) == "silu_clamped"]
+    folds = [what for what, on in (("AWQ", scheme.method == "awq"), ("SmoothQuant", scheme.smooth),
+                                   (f"rotate={rotate}", rotate is not None)) if on]
+    if v4 and folds:
+        way_out = " (int8-w8a8-nosmooth quantizes without it)" if folds == ["SmoothQuant"] else ""
+        raise ValueError(f"quantize: scheme {scheme.name}: {folds[0]}: DeepSeek-V4 ({v4[0]}: clamped experts, "
+                         f"compressed attention, mHC streams) is not supported by quantization's folds{way_out}; "
+                         "RTN, GPTQ and the FP8 schemes are")
 
 
 def _module(root: nnx.Module, rel: str) -> Any:

@@ -17,9 +17,10 @@ import json
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import safetensors
 import torch
 import transformers
-from parity_helpers import build_from_config, decode_logits, hf_logits, hf_reload_logits, rel_err
+from parity_helpers import build_from_config, calibration_batches, decode_logits, hf_logits, hf_reload_logits, rel_err
 from safetensors.numpy import load_file
 
 from models import generate, jit_forward
@@ -177,4 +178,98 @@ def test_quantization_refuses_the_family(ckpt):
     for scheme, opts in (("w4a16-awq-g16", {}), ("int8", {"rotate": "hadamard"})):
         with pytest.raises(ValueError, match="DeepSeek-V4 .* not supported by quantization"):
             quant.quantize_model(model, quant.parse_scheme(scheme), [(ids, np.ones_like(ids))],
+                                 opts=quant.Options(**opts))
+
+
+# ------------------------------------------------------------------------------------------------
+# Quantization: calibration through the streams and the hash routers, compressed-tensors export
+# ------------------------------------------------------------------------------------------------
+
+FLOAT_KEPT = ("model.layers.1.attn.compressor.wkv", "model.layers.2.attn.compressor.wgate",
+              "model.layers.1.attn.indexer.compressor.wkv", "model.layers.1.attn.indexer.weights_proj")
+
+
+def torch_tensors(folder) -> dict[str, torch.Tensor]:
+    """A saved folder's tensors as torch tensors (numpy has no float8)."""
+    with safetensors.safe_open(str(folder / "model.safetensors"), "pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}
+
+
+def quantized_v4(path, scheme: str):
+    """Our model from `path` quantized with `scheme` on random calibration batches (row 0's tail padding)."""
+    from models import quant
+
+    model = from_pretrained(str(path))
+    report = quant.quantize_model(model, quant.parse_scheme(scheme), calibration_batches(V, 2, 2, 32, 1, pad=5))
+    return model, {r["module"]: r for r in report["modules"]}
+
+
+@pytest.mark.parametrize("scheme", ["w4a16-gptq-g16", pytest.param("fp8-block", marks=pytest.mark.slow)])
+def test_quantized_export_loads_in_transformers(ckpt, tmp_path, scheme):
+    """Every Linear and expert but the head, the compressors and the indexer's compressor and weights_proj (bf16 in
+    the published checkpoint) quantized, GPTQ on the routed experts' own tokens (the hash layer's too); the
+    compressed-tensors folder loads in transformers (its renamed modules, its merged experts) with our logits."""
+    _, path, _, ref = ckpt
+    model, rows = quantized_v4(path, scheme)
+    assert not set(FLOAT_KEPT) & set(rows) and "head" not in rows
+    expert_rows = [r for name, r in rows.items() if ".ffn.experts." in name]
+    assert len(expert_rows) == 3 * E * 3
+    assert {"model.layers.1.attn.indexer.wq_b", "model.layers.0.attn.wo_a"} <= set(rows)
+    if scheme.endswith("gptq-g16"):
+        assert all(r["tokens"] > 0 and r["method"] == "gptq" for r in expert_rows if "experts.0." in r["module"])
+    out = tmp_path / scheme
+    save_pretrained(model, str(out))
+    tensors = torch_tensors(out)
+    stored = ("weight_packed", torch.int32) if scheme.startswith("w4a16") else ("weight", torch.float8_e4m3fn)
+    for name in ("model.layers.0.ffn.experts.5.w1", "model.layers.2.ffn.experts.0.w2", "model.layers.1.attn.wq_a",
+                 "model.layers.1.ffn.shared_experts.w3"):
+        assert f"{name}.weight_scale" in tensors and tensors[f"{name}.{stored[0]}"].dtype == stored[1], name
+    for name in (*FLOAT_KEPT, "head"):
+        assert tensors[f"{name}.weight"].dtype == torch.float32 and f"{name}.weight_scale" not in tensors, name
+    ignore = json.loads((out / "config.json").read_text())["quantization_config"]["ignore"]
+    assert {"head", "lm_head", r"re:.*\.self_attn\.compressor\.(kv|gate)_proj$"} <= set(ignore)
+    mine = np.asarray(jit_forward(model)(jnp.asarray(IDS)))
+    theirs = hf_reload_logits(str(out), IDS)
+    err, moved = rel_err(theirs, mine), rel_err(mine, ref)
+    print(f"DeepSeek-V4 {scheme}: transformers vs ours {err:.2e}, quantization moved logits {moved:.2e}")
+    assert err <= 1e-4 and moved >= 1e-2
+    assert rel_err(jit_forward(from_pretrained(str(out)))(jnp.asarray(IDS)), mine) <= 1e-5  # our own load
+
+
+@pytest.mark.slow
+def test_w8a8_round_trips_and_the_folds_are_refused(ckpt, tmp_path):
+    """int8 W8A8 without SmoothQuant: each exported expert decompresses through compressed-tensors to our weight
+    and our load gives our logits (transformers' CPU loader does not merge int8 experts); SmoothQuant, AWQ and
+    rotations are refused by name (the clamp, the compressors and the streams are outside their folds)."""
+    from compressed_tensors.compressors.naive_quantized import IntQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationScheme
+
+    from models import quant
+
+    _, path, _, ref = ckpt
+    model, _ = quantized_v4(path, "int8-w8a8-nosmooth")
+    save_pretrained(model, str(tmp_path / "w8a8"))
+    qc = json.loads((tmp_path / "w8a8" / "config.json").read_text())["quantization_config"]
+    (group,) = qc["config_groups"].values()
+    cscheme = QuantizationScheme(targets=group["targets"], weights=group["weights"],
+                                 input_activations=group["input_activations"])
+    tensors = torch_tensors(tmp_path / "w8a8")
+    ex = model.layers[2].ffn.experts
+    gate_up, down = (np.asarray(w) for w in ex.base_weights(jnp.float32))  # [E, D, 2I], [E, I, D]
+    I = ex.intermediate_size
+    for part, want in (("w1", gate_up[3, :, :I].T), ("w3", gate_up[3, :, I:].T), ("w2", down[3].T)):
+        state = {k.split(f"experts.3.{part}.")[1]: v for k, v in tensors.items()
+                 if k.startswith(f"model.layers.2.ffn.experts.3.{part}.")}
+        got = IntQuantizationCompressor.decompress(state, cscheme)["weight"].float().numpy()  # [out, in]
+        np.testing.assert_array_equal(got, want, err_msg=part)
+    mine = np.asarray(jit_forward(model)(jnp.asarray(IDS)))
+    assert rel_err(mine, ref) >= 1e-3
+    np.testing.assert_allclose(np.asarray(jit_forward(from_pretrained(str(tmp_path / "w8a8")))(jnp.asarray(IDS))),
+                               mine, rtol=1e-5, atol=1e-6)
+    fresh = from_pretrained(str(path))
+    ids = IDS[:1, :16]
+    for scheme, opts, what in (("int8-w8a8", {}, "SmoothQuant"), ("w4a16-awq-g16", {}, "AWQ"),
+                               ("fp8-block", {"rotate": "hadamard"}, "rotate")):
+        with pytest.raises(ValueError, match=f"{what}.*DeepSeek-V4 .* not supported by quantization's folds"):
+            quant.quantize_model(fresh, quant.parse_scheme(scheme), [(ids, np.ones_like(ids))],
                                  opts=quant.Options(**opts))

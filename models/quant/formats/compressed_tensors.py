@@ -47,7 +47,7 @@ from models.quant.formats.int_formats import pack, unpack  # noqa: F401 - re-exp
 from models.quant.formats.registry import weight_formats
 from models.quant.schemes import Scheme, parse_scheme
 from models.quant.state import QMatrix, iter_qmatrices, set_activations, set_experts, set_linear
-from models.quant.targets import ALWAYS_IGNORED, float_by_default, quant_units
+from models.quant.targets import ALWAYS_IGNORED, expert_part, float_by_default, quant_units
 
 ROUTER_PATTERNS = (r"re:.*mlp\.gate$", r"re:.*mlp\.router$")  # written to `ignore` for engines that wrap routers
 
@@ -179,7 +179,7 @@ def prepare_for_load(model: nnx.Module, scheme: Scheme, names: set[str]) -> None
         if isinstance(m, Linear):
             if f"{u.name}.{marker}" in names:
                 set_linear(m, scheme.format.zeros(m.out_features, m.in_features, scheme), scheme)
-        elif f"{u.name}.0.down_proj.{marker}" in names:
+        elif f"{u.name}.0.{expert_part(m, 'down_proj')}.{marker}" in names:
             E, D, I = m.num_experts, m.hidden_size, m.intermediate_size
             gate = [scheme.format.zeros(I, D, scheme)] * E
             set_experts(m, gate, gate, [scheme.format.zeros(D, I, scheme)] * E, scheme)
@@ -207,12 +207,12 @@ def load_linear(get: Any, name: str, lin: Linear, scheme: Scheme) -> None:
 
 
 def load_experts(get: Any, ex: Experts, scheme: Scheme) -> None:
-    """Per-expert gate_proj / up_proj / down_proj tensors -> the stacked quantized experts."""
+    """Per-expert gate_proj / up_proj / down_proj tensors (the stack's `hf_names`) -> the stacked quantized experts."""
     E, D, I = ex.num_experts, ex.hidden_size, ex.intermediate_size
     mats: dict[str, list[QMatrix]] = {"gate_proj": [], "up_proj": [], "down_proj": []}
     for e in range(E):
         for part, dims in (("gate_proj", (I, D)), ("up_proj", (I, D)), ("down_proj", (D, I))):
-            qm = read_qmatrix(lambda sfx, shape, e=e: get(f"{e}.{sfx}", shape), part, *dims, scheme)
+            qm = read_qmatrix(lambda sfx, shape, e=e: get(f"{e}.{sfx}", shape), expert_part(ex, part), *dims, scheme)
             if qm is None:
                 return
             mats[part].append(qm)
