@@ -169,8 +169,9 @@ def test_config_spellings_and_refusals(ckpt, tmp_path):
 
 
 def test_quantization_refuses_the_family(ckpt):
-    """No fold, calibration or export path has been checked on V4's clamped experts, compressed attention and
-    streams: every scheme refuses the model by name instead of writing something transformers would not load."""
+    """The folds that do not know V4's readers (AWQ through the clamped experts, the norm folds and rotations
+    past the compressors, the indexer and the streams) refuse the model by name instead of writing something
+    transformers would not load; RTN, GPTQ and fp8-block run (the tests below)."""
     from models import quant
 
     model = from_pretrained(str(ckpt[1]))
