@@ -257,3 +257,25 @@ def hf_reload_logits(path: str, ids: np.ndarray, attention_mask: np.ndarray | No
     model = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager",
                                                              dtype=torch.float32).eval()
     return hf_logits(model, ids, attention_mask)
+
+
+def with_config(src, dst, drop_prefix: str | None = None, **changes) -> str:
+    """A copy of checkpoint folder `src` at `dst` with config.json keys changed (None deletes a key) and the
+    tensors whose names start with `drop_prefix` left out."""
+    import json
+
+    import safetensors.numpy
+
+    dst.mkdir()
+    if drop_prefix is None:
+        (dst / "model.safetensors").symlink_to(src / "model.safetensors")
+    else:
+        tensors = safetensors.numpy.load_file(src / "model.safetensors")
+        kept = {k: v for k, v in tensors.items() if not k.startswith(drop_prefix)}
+        safetensors.numpy.save_file(kept, dst / "model.safetensors", metadata={"format": "pt"})
+    d = json.loads((src / "config.json").read_text())
+    d.update({k: v for k, v in changes.items() if v is not None})
+    for k in [k for k, v in changes.items() if v is None]:
+        d.pop(k, None)
+    (dst / "config.json").write_text(json.dumps(d))
+    return str(dst)

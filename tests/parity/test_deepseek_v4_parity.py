@@ -20,7 +20,15 @@ import pytest
 import safetensors
 import torch
 import transformers
-from parity_helpers import build_from_config, calibration_batches, decode_logits, hf_logits, hf_reload_logits, rel_err
+from parity_helpers import (
+    build_from_config,
+    calibration_batches,
+    decode_logits,
+    hf_logits,
+    hf_reload_logits,
+    rel_err,
+    with_config,
+)
 from safetensors.numpy import load_file
 
 from models import generate, jit_forward
@@ -66,18 +74,6 @@ def ckpt(tmp_path_factory):
     path = tmp_path_factory.mktemp("dsv4")
     hf.save_pretrained(path)
     return hf, path, from_pretrained(str(path)), hf_logits(hf, IDS)
-
-
-def with_config(src, dst, **changes) -> str:
-    """A copy of checkpoint folder `src` at `dst` with config.json keys changed (None deletes a key)."""
-    dst.mkdir()
-    (dst / "model.safetensors").symlink_to(src / "model.safetensors")
-    d = json.loads((src / "config.json").read_text())
-    d.update({k: v for k, v in changes.items() if v is not None})
-    for k in [k for k, v in changes.items() if v is None]:
-        d.pop(k, None)
-    (dst / "config.json").write_text(json.dumps(d))
-    return str(dst)
 
 
 def test_logits_match_transformers_and_every_path_matters(ckpt, tmp_path):

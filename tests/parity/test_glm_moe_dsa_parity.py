@@ -12,15 +12,22 @@ the top 6 keys; sequences of 20 tokens.
 from __future__ import annotations
 
 import dataclasses
-import json
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import transformers
 from flax import nnx
-from parity_helpers import build_from_config, decode_logits, hf_logits, hf_reload_logits, left_padded_rel_err, rel_err
-from safetensors.numpy import load_file, save_file
+from parity_helpers import (
+    build_from_config,
+    decode_logits,
+    hf_logits,
+    hf_reload_logits,
+    left_padded_rel_err,
+    rel_err,
+    with_config,
+)
+from safetensors.numpy import load_file
 
 from models import generate, jit_forward
 from models.glm_moe_dsa import GlmDSAttention, GlmMoeDsa, GlmMoeDsaConfig
@@ -49,24 +56,6 @@ def ckpt(tmp_path_factory):
     path = tmp_path_factory.mktemp("glm5")
     hf.save_pretrained(path)
     return hf, path, from_pretrained(str(path)), hf_logits(hf, IDS)
-
-
-def with_config(src, dst, drop_prefix: str | None = None, **changes) -> str:
-    """A copy of checkpoint folder `src` at `dst` with config.json keys changed (None deletes a key) and the
-    tensors whose names start with `drop_prefix` left out."""
-    dst.mkdir()
-    if drop_prefix is None:
-        (dst / "model.safetensors").symlink_to(src / "model.safetensors")
-    else:
-        tensors = load_file(src / "model.safetensors")
-        save_file({k: v for k, v in tensors.items() if not k.startswith(drop_prefix)}, dst / "model.safetensors",
-                  metadata={"format": "pt"})
-    d = json.loads((src / "config.json").read_text())
-    d.update({k: v for k, v in changes.items() if v is not None})
-    for k in [k for k, v in changes.items() if v is None]:
-        d.pop(k, None)
-    (dst / "config.json").write_text(json.dumps(d))
-    return str(dst)
 
 
 def test_logits_match_transformers_with_shared_selections(ckpt, tmp_path):
