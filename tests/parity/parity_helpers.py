@@ -279,3 +279,22 @@ def with_config(src, dst, drop_prefix: str | None = None, **changes) -> str:
         d.pop(k, None)
     (dst / "config.json").write_text(json.dumps(d))
     return str(dst)
+
+
+def assert_generate_is_the_forwards_argmax(model, prompt: np.ndarray, lengths: np.ndarray, tokens: np.ndarray,
+                                           longer_than: int) -> None:
+    """Each row's generated `tokens` [B, N] (greedy, after its left-padded prompt of lengths[row] real tokens) are
+    the full forward's argmax over prompt + tokens (longer than `longer_than`, so the sparse paths run), with no
+    near-tie the ≤ 1e-5 logit error could flip. One jitted forward for every row (rows of one length share it)."""
+    import jax.numpy as jnp
+
+    from models import jit_forward
+
+    forward, P = jit_forward(model), prompt.shape[1]
+    for row in range(len(prompt)):
+        seq = np.concatenate([prompt[row, P - lengths[row]:], tokens[row]])[None]  # [1, len + N]
+        assert seq.shape[1] > longer_than
+        full = np.asarray(forward(jnp.asarray(seq)))[0, lengths[row] - 1:-1]  # [N, V]
+        assert np.array_equal(full.argmax(-1), tokens[row]), row
+        top2 = np.sort(full, axis=-1)[:, -2:]
+        assert np.all(top2[:, 1] - top2[:, 0] > 1e-4)

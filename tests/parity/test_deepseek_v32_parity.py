@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import transformers
 from parity_helpers import (
+    assert_generate_is_the_forwards_argmax,
     build_from_config,
     decode_logits,
     hf_logits,
@@ -93,14 +94,7 @@ def test_cached_decoding_and_generate_equal_the_full_forward(ckpt):
     prompt[1, :1] = 0  # row 1: a 3-token prompt, left-padded
     lengths = np.array([4, 3], np.int32)
     out = generate(ours, jnp.asarray(prompt), prompt_lengths=jnp.asarray(lengths), max_new_tokens=12)
-    tokens = np.asarray(out.tokens)
-    for row in range(2):
-        seq = np.concatenate([prompt[row, 4 - lengths[row]:], tokens[row]])[None]  # [1, len + 12]
-        full = np.asarray(jit_forward(ours)(jnp.asarray(seq)))[0, lengths[row] - 1:-1]  # [12, V]
-        assert seq.shape[1] > TOPK
-        assert np.array_equal(full.argmax(-1), tokens[row]), row
-        top2 = np.sort(full, axis=-1)[:, -2:]
-        assert np.all(top2[:, 1] - top2[:, 0] > 1e-4)  # no near-tie the ≤ 1e-5 logit error could flip
+    assert_generate_is_the_forwards_argmax(ours, prompt, lengths, np.asarray(out.tokens), longer_than=TOPK)
 
 
 def test_config_spellings_and_refusals(ckpt, tmp_path):

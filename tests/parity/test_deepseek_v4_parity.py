@@ -21,6 +21,7 @@ import safetensors
 import torch
 import transformers
 from parity_helpers import (
+    assert_generate_is_the_forwards_argmax,
     build_from_config,
     calibration_batches,
     decode_logits,
@@ -114,15 +115,8 @@ def test_cached_decoding_and_generate_equal_the_full_forward(ckpt):
     assert rel_err(decode_logits(ours, IDS, split=5), ref) <= 1e-5  # windows close at 7, 11, 15, 19, 23 as it goes
     prompt = IDS[:, :5]
     out = generate(ours, jnp.asarray(prompt), max_new_tokens=14)
-    tokens = np.asarray(out.tokens)
-    seqs = np.concatenate([prompt, tokens], axis=1)  # [2, 19]: both rows in one forward (one compile)
-    assert seqs.shape[1] > 2 * 8
-    every = np.asarray(jit_forward(ours)(jnp.asarray(seqs)))  # [2, 19, V]
-    for row in range(2):
-        full = every[row, 4:-1]  # [14, V]
-        assert np.array_equal(full.argmax(-1), tokens[row]), row
-        top2 = np.sort(full, axis=-1)[:, -2:]
-        assert np.all(top2[:, 1] - top2[:, 0] > 1e-4)  # no near-tie the ≤ 1e-5 logit error could flip
+    lengths = np.full(2, 5, np.int32)  # rows of 19 tokens, past twice the window (8)
+    assert_generate_is_the_forwards_argmax(ours, prompt, lengths, np.asarray(out.tokens), longer_than=2 * 8)
 
 
 def test_config_spellings_and_refusals(ckpt, tmp_path):
