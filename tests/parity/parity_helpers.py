@@ -298,3 +298,17 @@ def assert_generate_is_the_forwards_argmax(model, prompt: np.ndarray, lengths: n
         assert np.array_equal(full.argmax(-1), tokens[row]), row
         top2 = np.sort(full, axis=-1)[:, -2:]
         assert np.all(top2[:, 1] - top2[:, 0] > 1e-4)
+
+
+def randomize_b(model, seed: int = 0, scale: float = 0.2) -> None:
+    """Random LoRA B factors (they start at zero, where an adapter changes nothing and every parity holds)."""
+    import jax.numpy as jnp
+
+    from models.lora import lora_modules
+
+    rng = np.random.default_rng(seed)
+    for _, m in lora_modules(model):
+        for name in ("lora_b", "gate_up_lora_b", "down_lora_b"):
+            var = getattr(m, name, None)
+            if var is not None:
+                var[...] = jnp.asarray(scale * rng.normal(size=var[...].shape), jnp.float32)

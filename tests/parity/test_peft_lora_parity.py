@@ -19,11 +19,11 @@ import peft
 import pytest
 import torch
 from flax import nnx
-from parity_helpers import build_from_config, hf_logits, rel_err, tiny_configs
+from parity_helpers import build_from_config, hf_logits, randomize_b, rel_err, tiny_configs
 from safetensors.numpy import load_file
 
 from models import from_pretrained, jit_forward
-from models.lora import apply_lora, lora_modules, merge_lora, save_peft_adapter
+from models.lora import apply_lora, merge_lora, save_peft_adapter
 
 pytestmark = pytest.mark.parity
 IDS = np.random.default_rng(0).integers(0, 128, (2, 12)).astype(np.int32)
@@ -36,15 +36,6 @@ CASES = [
     pytest.param("GptOssForCausalLM", {}, id="gpt_oss", marks=pytest.mark.slow),
     pytest.param("Glm4MoeForCausalLM", {}, id="glm4_moe", marks=pytest.mark.slow),
 ]
-
-
-def randomize_b(model, seed: int = 0, scale: float = 0.2) -> None:
-    rng = np.random.default_rng(seed)
-    for _, m in lora_modules(model):
-        for name in ("lora_b", "gate_up_lora_b", "down_lora_b"):
-            var = getattr(m, name, None)
-            if var is not None:
-                var[...] = jnp.asarray(scale * rng.normal(size=var[...].shape), jnp.float32)
 
 
 @pytest.mark.parametrize("arch, overrides", CASES)
