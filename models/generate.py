@@ -77,20 +77,32 @@ class KVCache:
         return dataclasses.replace(self, length=jnp.asarray(length, jnp.int32))
 
 
+@functools.partial(jax.jit, static_argnames=("graphdef", "return_hidden"))
+def _shared_forward(graphdef, state, input_ids, positions=None, segment_ids=None, cache=None, return_hidden=()):
+    """`jit_forward`'s program, keyed by the model's structure: every model with an equal graphdef (the
+    same family, config and dtypes; the weights are the traced `state`) reuses one compiled program
+    per shape, as a training run's many evaluations of fresh snapshots and a test's twin models do."""
+    model = nnx.merge(graphdef, state)
+    return model(input_ids, positions=positions, segment_ids=segment_ids, cache=cache, return_hidden=return_hidden)
+
+
 def jit_forward(model: nnx.Module):
-    """A jitted `model(input_ids, **kw)` (one compile per shape and `return_hidden`).
+    """A jitted `model(input_ids, **kw)` (one compile per shape and `return_hidden`, shared by every model
+    of the same structure).
 
     It snapshots the model's state now: re-create it after the weights change.
     """
     graphdef, state = nnx.split(model)
+    try:
+        hash(graphdef)
+    except TypeError:  # a module holding an unhashable static attribute: its own program
+        @functools.partial(jax.jit, static_argnames=("return_hidden",))
+        def forward(state, input_ids, positions=None, segment_ids=None, cache=None, return_hidden=()):
+            return _shared_forward.__wrapped__(graphdef, state, input_ids, positions, segment_ids, cache,
+                                               return_hidden)
 
-    @functools.partial(jax.jit, static_argnames=("return_hidden",))
-    def forward(state, input_ids, positions=None, segment_ids=None, cache=None, return_hidden=()):
-        model = nnx.merge(graphdef, state)
-        return model(input_ids, positions=positions, segment_ids=segment_ids, cache=cache,
-                     return_hidden=return_hidden)
-
-    return lambda input_ids, **kw: forward(state, input_ids, **kw)
+        return lambda input_ids, **kw: forward(state, input_ids, **kw)
+    return lambda input_ids, **kw: _shared_forward(graphdef, state, input_ids, **kw)
 
 
 # ------------------------------------------------------------------------------------------------

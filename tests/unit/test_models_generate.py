@@ -134,3 +134,30 @@ def test_top_p_generate_tiny_nucleus_is_greedy(target):
     greedy = generate(target, ids, max_new_tokens=6)
     nucleus = generate(target, ids, max_new_tokens=6, temperature=1.0, top_p=1e-6, rng=jax.random.PRNGKey(3))
     np.testing.assert_array_equal(np.asarray(greedy.tokens), np.asarray(nucleus.tokens))
+
+
+def test_jit_forward_shares_one_program_per_structure():
+    """Two models of one structure (different weights) run one compiled program and each gets its own
+    logits; a model whose graphdef cannot be hashed gets a program of its own instead of an error."""
+    from models.generate import _shared_forward
+
+    config = LlamaConfig.tiny(num_hidden_layers=1)
+    ids = jnp.asarray(np.random.default_rng(0).integers(0, config.vocab_size, (2, 6)), jnp.int32)
+    a, b = Llama(config, rngs=nnx.Rngs(11)), Llama(config, rngs=nnx.Rngs(12))
+    before = _shared_forward._cache_size()
+    out_a, out_b = np.asarray(jit_forward(a)(ids)), np.asarray(jit_forward(b)(ids))
+    assert _shared_forward._cache_size() == before + 1
+    np.testing.assert_allclose(out_a, np.asarray(a(ids)), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(out_b, np.asarray(b(ids)), rtol=1e-5, atol=1e-5)
+    assert np.abs(out_a - out_b).max() > 1e-3
+
+    class Unhashable(nnx.Module):
+        def __init__(self):
+            self.w = nnx.Param(jnp.arange(3.0))
+            self.meta = {"kind": ["static", "but", "a", "dict"]}  # static, unhashable
+
+        def __call__(self, x, **kw):
+            return x * self.w
+
+    got = jit_forward(Unhashable())(jnp.ones((3,)))
+    np.testing.assert_array_equal(np.asarray(got), [0.0, 1.0, 2.0])
