@@ -38,6 +38,7 @@ W compressed entries, E experts, k experts per token.
 from __future__ import annotations
 
 import dataclasses
+import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -498,6 +499,8 @@ class V4Attention(nnx.Module):
         cos, sin = rope
         out = rope_tail(out, cos, -sin)  # undo the values' rotation at the query position
         grouped = out.reshape(B, T, self.groups, N * Hd // self.groups)  # [B, T, G, N·Hd/G]
+        # the effective weight (dequantized, any LoRA folded in: no lora_dropout here, as peft's ParamWrapper on
+        # transformers' o_a_proj.weight has none)
         w = self.wo_a.weight().astype(self.wo_a.dtype).reshape(N * Hd // self.groups, self.groups, -1)  # [in, G, O]
         low = jnp.einsum("btgi,igo->btgo", grouped.astype(self.wo_a.dtype), w)  # [B, T, G, O]
         return self.wo_b(low.reshape(B, T, -1)), cache
@@ -664,6 +667,33 @@ class DeepseekV4(DecoderLM):
         if name.startswith("hc_head_"):
             return "model.hc_head.hc_" + name.removeprefix("hc_head_")
         return "model." + name if name.startswith("layers.") else name
+
+    # PEFT export (models/lora.py `lora_state_to_peft`): peft adapts transformers' modules, which are named as
+    # transformers' conversion mapping renames the checkpoint's tensors at load (`conversion_mapping.py`
+    # "deepseek_v4": attn -> self_attn, ffn -> mlp, wq_a -> q_a_proj, the indexer under the compressor, ...).
+    # transformers' `o_a_proj` (DeepseekV4GroupedLinear) multiplies G blocks of its input by G blocks of its
+    # weight, so peft's lora.Linear (a branch over the whole input, to the whole output) does not fit it: peft
+    # adapts it through its weight (a ParamWrapper, W + B·A), as this model does (V4Attention reads `wo_a.weight()`).
+    PEFT_RENAMES = (
+        (r"\.attn\.indexer\.weights_proj$", ".self_attn.compressor.indexer.scorer.weights_proj"),
+        (r"\.attn\.indexer\.(compressor\.)?", ".self_attn.compressor.indexer."),
+        (r"\.attn\.", ".self_attn."),
+        (r"\.ffn\.", ".mlp."),
+        (r"\.wq_a$", ".q_a_proj"), (r"\.wq_b$", ".q_b_proj"), (r"\.wkv$", ".kv_proj"), (r"\.wgate$", ".gate_proj"),
+        (r"\.wo_a$", ".o_a_proj"), (r"\.wo_b$", ".o_b_proj"),
+        (r"\.shared_experts\.w1$", ".shared_experts.gate_proj"), (r"\.shared_experts\.w3$", ".shared_experts.up_proj"),
+        (r"\.shared_experts\.w2$", ".shared_experts.down_proj"),
+        (r"^head$", "lm_head"),
+    )
+    peft_weight_only = ("o_a_proj",)
+
+    @classmethod
+    def peft_module_name(cls, name: str) -> str:
+        """An adapted module's HF path (`model.layers.1.attn.indexer.compressor.wkv`) -> transformers' module path
+        (`model.layers.1.self_attn.compressor.indexer.kv_proj`)."""
+        for pattern, repl in cls.PEFT_RENAMES:
+            name = re.sub(pattern, repl, name)
+        return name
 
     def hf_accepts(self, name: str) -> bool:
         """The published MTP layer (`mtp.{k}.…`), which transformers ignores and this model does not build."""

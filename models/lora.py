@@ -43,6 +43,13 @@ experts would silently lose their adapters. On such bases those Linears are ther
 `target_parameters` "<name>.weight" (a 2-D ParamWrapper: the same lora_A/lora_B keys and math).
 ParamWrapper refuses lora_dropout != 0, so with any `target_parameters` the config says 0.0 (dropout
 only acts in training; the adapter's function is the same).
+
+A family whose transformers module tree is not named as its checkpoint's tensors (DeepSeek-V4: `attn.wq_a` on
+disk is the module `self_attn.q_a_proj`, transformers' conversion mapping renames it at load) gives the model
+class `peft_module_name(hf_path) -> module path`, which the export writes (peft injects adapters by module
+path). A model's `peft_weight_only` lists module names (after that renaming) whose transformers forward reads
+the weight itself rather than running a Linear over its input (V4's grouped `o_a_proj`): they are exported as
+`target_parameters` "<name>.weight" too, on any base.
 """
 
 from __future__ import annotations
@@ -211,9 +218,12 @@ def lora_state_to_peft(
         dropout = max(rates)
     candidates = lora_candidates(model)
     moe_base = any(isinstance(m, Experts) for _, m in candidates.values())
+    peft_name = getattr(model, "peft_module_name", None) or (lambda name: name)
+    weight_only = tuple(getattr(model, "peft_weight_only", ()))
 
-    def as_param(name: str) -> bool:  # a Linear peft would remap onto fused experts: target its weight
-        return moe_base and name.rsplit(".", 1)[-1] in PEFT_V5_MOE_RENAMED
+    def as_param(name: str) -> bool:  # a Linear peft would remap onto fused experts, or must adapt by its weight
+        leaf = name.rsplit(".", 1)[-1]
+        return leaf in weight_only or (moe_base and leaf in PEFT_V5_MOE_RENAMED)
 
     from models.hf import to_host  # whole on this host (a gathered multi-host model: its local copy)
 
@@ -221,7 +231,7 @@ def lora_state_to_peft(
     chosen_modules: set[str] = set()
     chosen_params: set[str] = set()
     for path, m in modules:
-        name = hf_name(path)
+        name = peft_name(hf_name(path))
         key = f"base_model.model.{name}"
         if isinstance(m, Linear):
             tensors[f"{key}.lora_A.weight"] = np.ascontiguousarray(to_host(m.lora_a[...]).T)  # [r, in]
@@ -245,7 +255,8 @@ def lora_state_to_peft(
     # short names (PEFT's suffix match) where they select exactly the chosen set, else full paths
     module_groups: dict[str, set[str]] = {}
     param_groups: dict[str, set[str]] = {}
-    for name, (_, m) in candidates.items():
+    for hf_path, (_, m) in candidates.items():
+        name = peft_name(hf_path)
         if isinstance(m, Experts):
             for p in ("gate_up_proj", "down_proj"):
                 param_groups.setdefault(f"experts.{p}", set()).add(f"{name}.{p}")

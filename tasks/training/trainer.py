@@ -102,8 +102,11 @@ def make_train_step(graphdef: Any, tx: optax.GradientTransformation, cfg: TrainC
 
     def micro_objective(params, rng_state, frozen, mb, n_total):
         # fresh Variables at this trace level: dropout advances the RNG state here, and a remat'd layer writes
-        # its (unchanged) frozen Variables back, which nnx refuses for Variables of the enclosing jit's level
-        rng_state, frozen = jax.tree.map(lambda x: x, (rng_state, frozen))
+        # its (unchanged) Variables back, which nnx refuses for Variables of an enclosing trace's level. The
+        # params too: under `grad_fn` they are fresh already, but the grad_accum path also calls this under
+        # `jax.eval_shape` (the metrics' structure) with the train step's own params, whose Variables belong
+        # to the enclosing jit (a TraceContextError with remat, on every family)
+        params, rng_state, frozen = jax.tree.map(lambda x: x, (params, rng_state, frozen))
         model = nnx.merge(graphdef, params, rng_state, frozen)
         out = loss_fn(model, mb)
         ce_sum, aux = out[0], out[1]

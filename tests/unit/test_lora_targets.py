@@ -20,6 +20,7 @@ from models.lora import (
     match_targets,
     merge_lora,
 )
+from models.lora_targets import INDEXER
 from models.moe import Experts
 
 pytestmark = pytest.mark.unit
@@ -88,6 +89,52 @@ def test_deepseek_paths_regexes_and_plain_names():
     # MTP layers (after the main stack) are never candidates
     mtp = build("DeepseekV3ForCausalLM", abstract=True, num_nextn_predict_layers=1)
     assert len(mtp.layers) == 4 and not any(n.startswith("model.layers.3.") for n in lora_candidates(mtp))
+
+
+def test_all_linear_on_deepseek_v4_leaves_out_the_indexer():
+    """V4's own names (`attn.*`, `ffn.*`): every attention projection (the low-rank q, the shared K=V, the grouped
+    low-rank output), the CSA / HCA compressors, the shared and routed experts; not the CSA indexer (its own
+    compressor included), the LM head (`head`) or the routers."""
+    model = build("DeepseekV4ForCausalLM", abstract=True)  # layers: sliding, CSA (+ indexer), HCA
+    names = set(lora_candidates(model))
+    chosen = set(match_targets(model, ALL_LINEAR))
+    indexer = {f"model.layers.1.attn.indexer.{n}" for n in ("wq_b", "weights_proj", "compressor.wkv",
+                                                             "compressor.wgate")}
+    assert indexer <= names and chosen == names - {"head"} - indexer
+    for i in range(3):
+        assert {f"model.layers.{i}.attn.{n}" for n in ("wq_a", "wq_b", "wkv", "wo_a", "wo_b")} <= chosen
+        assert {f"model.layers.{i}.ffn.{n}" for n in ("shared_experts.w1", "shared_experts.w2",
+                                                      "shared_experts.w3", "experts")} <= chosen
+    assert {n for n in chosen if ".compressor." in n} == {f"model.layers.{i}.attn.compressor.{n}"
+                                                          for i in (1, 2) for n in ("wkv", "wgate")}
+    assert set(match_targets(model, INDEXER + ("indexer.compressor.wkv",))) == {  # INDEXER: DSA only
+        "model.layers.1.attn.indexer.compressor.wkv"}
+
+
+def test_peft_config_on_deepseek_v4_names_transformers_modules():
+    """The export names transformers' modules (its conversion mapping renames the checkpoint's `attn.wq_a` to the
+    module `self_attn.q_a_proj`, the indexer under the compressor); the grouped `o_a_proj` is adapted through its
+    weight (peft's lora.Linear cannot run over its G blocks)."""
+    model = build("DeepseekV4ForCausalLM")
+    apply_lora(model, rank=2, alpha=4, targets=ALL_LINEAR + (r".*\.indexer\..*", "head"), rngs=nnx.Rngs(0))
+    config, tensors = lora_state_to_peft(model)
+    modules = {k.removeprefix("base_model.model.").rsplit(".lora_", 1)[0].removesuffix(".base_layer")
+               for k in tensors}
+    want = {"lm_head"}
+    for i in range(3):
+        attn, mlp = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp"
+        want |= {f"{attn}.{n}" for n in ("q_a_proj", "q_b_proj", "kv_proj", "o_a_proj", "o_b_proj")}
+        want |= {f"{mlp}.shared_experts.{n}" for n in ("gate_proj", "up_proj", "down_proj")} | {f"{mlp}.experts"}
+    want |= {f"model.layers.{i}.self_attn.compressor.{n}" for i in (1, 2) for n in ("kv_proj", "gate_proj")}
+    want |= {f"model.layers.1.self_attn.compressor.indexer.{n}" for n in ("kv_proj", "gate_proj", "q_b_proj",
+                                                                          "scorer.weights_proj")}
+    assert modules == want
+    # every candidate is chosen: short names, and o_a_proj (with the MoE-remapped names) as a weight
+    assert config["target_modules"] == ["kv_proj", "lm_head", "o_b_proj", "q_a_proj", "q_b_proj", "weights_proj"]
+    assert config["target_parameters"] == ["down_proj.weight", "experts.down_proj", "experts.gate_up_proj",
+                                           "gate_proj.weight", "o_a_proj.weight", "up_proj.weight"]
+    assert tensors["base_model.model.model.layers.0.self_attn.o_a_proj.lora_A.weight"].shape == (2, 64)  # [r, N·Hd/G]
+    assert tensors["base_model.model.model.layers.0.self_attn.o_a_proj.lora_B.weight"].shape == (32, 2)  # [G·O, r]
 
 
 def test_no_match_error_is_one_line_listing_candidates():
