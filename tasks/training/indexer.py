@@ -10,6 +10,9 @@ the task loss no gradient into the indexer either. So:
 * `kl`: full fine-tuning trains every parameter (the indexer's by its KL); LoRA trains the adapters, which must
   include the indexer's projections (`models/lora_targets.py` INDEXER), the only way its KL reaches a weight.
 
+DeepSeek-V4's CSA indexer (models/deepseek_v4.py `V4Indexer`) is frozen the same way; it has no KL objective
+here, so `kl` refuses a V4 base.
+
 The objective itself is models/deepseek_v32.py `DSAttention.kl_objective`, weighted in the train step
 (tasks/training/trainer.py).
 """
@@ -20,6 +23,7 @@ from typing import Any
 
 from flax import nnx
 
+from models.deepseek_v4 import V4Indexer
 from models.deepseek_v32 import DSAttention
 from models.lora import lora_modules
 from models.lora_targets import INDEXER
@@ -31,11 +35,22 @@ def has_indexer(model: nnx.Module) -> bool:
     return any(isinstance(m, DSAttention) and hasattr(m, "indexer") for _, m in nnx.iter_graph(model))
 
 
+def has_any_indexer(model: nnx.Module) -> bool:
+    """A DSA indexer, or DeepSeek-V4's CSA indexer (models/deepseek_v4.py `V4Indexer`: the same top-k
+    selection over compressed entries, with its own compressor): either way a module the task loss never
+    reaches, which `frozen` keeps as published."""
+    return has_indexer(model) or any(isinstance(m, V4Indexer) for _, m in nnx.iter_graph(model))
+
+
 def trainable(model: nnx.Module, mode: str, indexer: IndexerConfig) -> Any:
     """The nnx filter of what fine-tuning trains, for `mode` (lora / full) and the indexer's treatment, after any
     LoRA adapters are attached; a ValueError naming the `finetune.*` key when they contradict each other."""
-    dsa = has_indexer(model)
+    dsa, any_indexer = has_indexer(model), has_any_indexer(model)
     if indexer.mode == "kl" and not dsa:
+        if any_indexer:
+            raise ValueError(f"finetune.indexer.mode: kl trains a DSA lightning indexer (DeepSeek-V3.2, GLM-5); "
+                             f"{type(model).__name__}'s compressed-attention indexer has no KL objective here "
+                             "(leave it frozen)")
         raise ValueError(f"finetune.indexer.mode: kl trains a DSA lightning indexer; {type(model).__name__} has "
                          "none (leave it frozen)")
     on_indexer = [".".join(map(str, p)) for p, _ in lora_modules(model) if "indexer" in p]
@@ -47,6 +62,6 @@ def trainable(model: nnx.Module, mode: str, indexer: IndexerConfig) -> Any:
             raise ValueError("finetune.lora_targets: match none of the DSA indexer's projections, so "
                              f"finetune.indexer.mode kl would train nothing (add the INDEXER preset: {INDEXER[0]})")
         return nnx.LoRAParam
-    if dsa and indexer.mode == "frozen":
+    if any_indexer and indexer.mode == "frozen":
         return nnx.All(nnx.Param, nnx.Not(nnx.PathContains("indexer")))
     return nnx.Param

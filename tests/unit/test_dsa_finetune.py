@@ -194,3 +194,21 @@ def test_bad_indexer_recipe_values_are_one_error_naming_the_key(override, messag
     ok = load_release("tiny", ["finetune.indexer.mode=kl", "finetune.indexer.kl_weight=0.5"]).finetune.indexer
     assert ok == IndexerConfig(mode="kl", form="sparse", kl_weight=0.5)
     assert load_release("tiny", []).finetune.indexer.mode == "frozen"
+
+
+def test_deepseek_v4_full_fine_tune_keeps_its_csa_indexer_frozen():
+    """DeepSeek-V4's CSA indexer (and the compressor it owns) is outside a full fine-tune's trainable set under
+    `frozen`, while the attention's own compressors train; `kl` is refused by name (no KL objective for it)."""
+    from models import deepseek_v4
+
+    model = deepseek_v4.DeepseekV4(deepseek_v4.DeepseekV4Config.tiny(), rngs=nnx.Rngs(0))
+    every = {".".join(map(str, p)) for p, _ in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    trained = {".".join(map(str, p)) for p, _ in
+               nnx.to_flat_state(nnx.state(model, ix.trainable(model, "full", IndexerConfig())))}
+    indexer = {p for p in every if ".indexer." in p}
+    assert indexer and any(".indexer.compressor." in p for p in indexer)
+    assert trained == every - indexer
+    assert any(".compressor." in p and ".indexer." not in p for p in trained)
+    with pytest.raises(ValueError, match=r"^finetune\.indexer\.mode: kl trains a DSA lightning indexer .*"
+                                         r"DeepseekV4's compressed-attention indexer"):
+        ix.trainable(model, "full", IndexerConfig(mode="kl"))
