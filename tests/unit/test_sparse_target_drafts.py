@@ -3,9 +3,10 @@ glm-moe-dsa.md) and DeepSeek-V4 (deepseek-v4.md).
 
 - P-EAGLE and DFlash, built and trained as the draft stage builds and trains them (tasks/draft.py `build_draft`,
   `DraftTrainee` on the target's features: the stream means for V4), decode through the real speculative decoder
-  exactly as greedy `generate` does, past the indexer's top-k (V3.2, GLM-5) and past V4's window and both
-  compression rates, with several tokens accepted per verify (the DSA selection and V4's hash routing / compressed
-  caches run inside verification and rollback); the speculators layout they export reads back to the same draft.
+  exactly the target's greedy continuation (computed without a cache), past the indexer's top-k (V3.2, GLM-5) and
+  past V4's window and both compression rates, with several tokens accepted per verify (the DSA selection and V4's
+  hash routing / compressed caches run inside verification and rollback); the speculators layout they export
+  reads back to the same draft.
 - The MTP layers V3.2 and GLM-5 ship (`num_nextn_predict_layers`; built on the V3 decoder, with their own DSA
   indexer) are drafts: MTPDraft is `mtp_logits` with a one-layer cache of the target's geometry (GLM-5's per-layer
   `indexer_types` do not fit a one-layer config), fine-tuning moves only the MTP layer and keeps decoding lossless,
@@ -46,10 +47,10 @@ V, VD, K = 32, 24, 4  # target vocabulary, draft vocabulary, draft tokens per ve
 PROMPT, NEW = 5, 14  # 19 positions: past the indexer's top 8 (V3.2, GLM-5) and V4's window 8 and rates 4 / 8
 
 
-def _v4(**kw) -> DeepseekV4:
+def _v4() -> DeepseekV4:
     """The tiny V4 with its mHC weights perturbed (as tests/unit/test_deepseek_v4_drafts.py), so that the streams
     differ from each other and the stream mean is not any one stream."""
-    model = DeepseekV4(DeepseekV4Config.tiny(V, **kw), rngs=nnx.Rngs(0))
+    model = DeepseekV4(DeepseekV4Config.tiny(V), rngs=nnx.Rngs(0))
     for i, layer in enumerate(model.layers):
         for part in ("attn", "ffn"):
             base, fn = getattr(layer, f"hc_{part}_base"), getattr(layer, f"hc_{part}_fn")
