@@ -140,7 +140,7 @@ def test_block_draft_trains_decodes_losslessly_and_exports(family, kind, tmp_pat
     trainee = DraftTrainee(draft, model, online=False, steps=TRAINING[kind].steps(draft, cfg), decay=cfg.ttt_decay,
                            objective="kl_div", temperature=0.1, num_anchors=8)
     tokens = jnp.sum(batch["loss_mask"])
-    losses = train(trainee, lambda tr: tr.loss(batch)[0] / tokens, 30, 1e-2, TRAINABLE)
+    losses = train(trainee, lambda tr: tr.loss(batch)[0] / tokens, 40, 1e-2, TRAINABLE)
     assert losses[-1] < 0.5 * losses[0], losses
 
     out = speculative_generate(model, draft, t["prompt"], max_new_tokens=NEW, k=K)
