@@ -332,7 +332,7 @@ class DecoderLM(nnx.Module):
         """Normed hidden [B, T, D] -> logits [B, T, V]."""
         return self.embed_tokens.attend(x) if self.lm_head is None else self.lm_head(x)
 
-    # -- MTP layers (DeepSeek-V3 / GLM-4.5): kept after the main stack, usable as extra heads -----
+    # -- MTP layers (DeepSeek-V3 / V3.2, GLM-4.5 / GLM-5): kept after the main stack, usable as extra heads
 
     @property
     def num_mtp_layers(self) -> int:

@@ -39,12 +39,14 @@ class KVCache:
     length: jax.Array  # [B] int32: next slot to write per row
 
     @classmethod
-    def init(cls, config: Any, batch: int, max_len: int, dtype: Any = jnp.float32) -> KVCache:
-        """An empty cache. `config.kv_cache_dims()` ((Kk, Hk), (Kv, Hv)) overrides the (K, H) per
-        token of k and v: MLA caches its compressed latent and its single rope key instead."""
+    def init(cls, config: Any, batch: int, max_len: int, dtype: Any = jnp.float32, *,
+             layers: int | None = None) -> KVCache:
+        """An empty cache of `layers` layers (default config.num_hidden_layers). `config.kv_cache_dims()`
+        ((Kk, Hk), (Kv, Hv)) overrides the (K, H) per token of k and v: MLA caches its compressed latent
+        and its single rope key instead."""
         dims = getattr(config, "kv_cache_dims", None)
         (kk, hk), (kv, hv) = dims() if dims else ((config.num_key_value_heads, config.head_dim),) * 2
-        L = config.num_hidden_layers
+        L = config.num_hidden_layers if layers is None else layers
         return cls(
             k=jnp.zeros((L, batch, kk, max_len, hk), dtype),
             v=jnp.zeros((L, batch, kv, max_len, hv), dtype),

@@ -1,9 +1,10 @@
 """Fine-tuning a target's OWN multi-token-prediction (MTP) layers as a speculative-decoding draft.
 
-DeepSeek-V3/R1 and GLM-4.5 ship MTP layers after their main stack (`model.layers.{L + m}`, models/decoder.py
-`MTPLayer`). After the target is fine-tuned, its MTP layer no longer matches the target's distribution; this
-module re-trains only that layer on the fine-tuned target's own traces, FastMTP-style, so that the release can
-ship it as the draft that models/speculative.py `MTPDraft` runs.
+DeepSeek-V3/R1 / V3.2 and GLM-4.5 / GLM-5 ship MTP layers after their main stack (`model.layers.{L + m}`,
+models/decoder.py `MTPLayer`; V3.2's and GLM-5's with their own DSA indexer). After the target is fine-tuned, its
+MTP layer no longer matches the target's distribution; this module re-trains only that layer on the fine-tuned
+target's own traces, FastMTP-style, so that the release can ship it as the draft that models/speculative.py
+`MTPDraft` runs.
 
     trainable = mtp_trainable(model)                                   # an nnx filter: the MTP layers only
     total, stats = mtp_loss(model, batch, final_hidden=f, target_logits=model.lm_logits(f), steps=3)

@@ -129,7 +129,9 @@ def is_block_draft(draft: object) -> bool:
 
 
 class MTPDraft(nnx.Module):
-    """A DeepSeek-V3 / GLM-4.5 target's own multi-token-prediction layer as a DraftHead.
+    """A DeepSeek-V3 / V3.2 or GLM-4.5 / GLM-5 target's own multi-token-prediction layer as a DraftHead (V3.2 and
+    GLM-5's layer runs its own DSA indexer over its own cache; DeepSeek-V4 builds none: transformers drops its
+    published `mtp.*` layer and defines no structure for it, docs/models/deepseek-v4.md).
 
     Entry p: u = eh_proj([enorm(embed(t_{p+1})), hnorm(h)]) -> the MTP decoder block (its own
     attention over a 1-layer KV cache) -> shared_head.norm -> the target's LM head. `h` is the
@@ -141,7 +143,8 @@ class MTPDraft(nnx.Module):
     def __init__(self, target: DecoderLM, depth: int = 0):
         if not 0 <= depth < target.num_mtp_layers:
             raise ValueError(f"MTPDraft depth {depth}: the target has {target.num_mtp_layers} MTP layers "
-                             "(build it with num_mtp_layers >= 1)")
+                             "(DeepSeek-V3 / V3.2, GLM-4.5 / GLM-5 build them with num_mtp_layers >= 1, or from a "
+                             "checkpoint that holds them; DeepSeek-V4's published MTP layer is not built)")
         self.target = target
         self.depth = depth
 
@@ -154,8 +157,9 @@ class MTPDraft(nnx.Module):
         return jnp.arange(self.target.config.vocab_size, dtype=jnp.int32)
 
     def init_cache(self, batch: int, max_len: int) -> KVCache:
-        one_layer = dataclasses.replace(self.target.config, num_hidden_layers=1)
-        return KVCache.init(one_layer, batch, max_len, self.target.dtype)
+        # one layer of the target's geometry (not a config with num_hidden_layers=1: per-layer fields such as
+        # GLM-5's indexer_types or V3.2's mlp_layer_types would no longer fit it)
+        return KVCache.init(self.target.config, batch, max_len, self.target.dtype, layers=1)
 
     def __call__(self, input_ids: jax.Array, *, features: jax.Array | None = None, hidden: jax.Array | None = None,
                  positions: jax.Array | None = None, segment_ids: jax.Array | None = None,

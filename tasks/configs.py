@@ -351,7 +351,7 @@ class DraftCandidate(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    # mtp: fine-tune the target's own MTP layers (DeepSeek-V3 / GLM-4.5 targets only), FastMTP-style
+    # mtp: fine-tune the target's own MTP layers (DeepSeek-V3 / V3.2, GLM-4.5 / GLM-5 targets), FastMTP-style
     kind: Literal[KINDS] = "eagle3"  # models/draft_format.py: the kinds, listed once
     name: str | None = None  # its folder and report name; None: the kind, plus "-<loss>" for a non-default loss
     # per-position objective (models/draft_losses.py): kl_div, rkl, jsd, ce, tv, nla, lk_hybrid, or {name: weight}

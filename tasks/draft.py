@@ -10,7 +10,7 @@ Mirrors docs/speculative-decoding.md (SpecForge / vLLM speculators practice). Ev
   parallel depths at once; drafts k tokens in one forward;
 - `dflash` (models/dflash/): a block drafter whose `num_layers` layers attend to the target's fused
   features as context and predict a block of `block_size` - 1 tokens in one forward;
-- `mtp` (models/mtp_finetune.py; DeepSeek-V3 / GLM-4.5 targets): the target's own MTP layers fine-tuned
+- `mtp` (models/mtp_finetune.py; DeepSeek-V3 / V3.2, GLM-4.5 / GLM-5 targets): the target's own MTP layers fine-tuned
   on its traces (FastMTP-style recursive steps), exported under the checkpoint's own tensor names;
 all with the target's frozen embedding and a pruned vocabulary (the `draft_vocab_size` target tokens most
 frequent in the traces' answers, shared by the candidates), through the shared training loop
@@ -429,7 +429,8 @@ def train_mtp(cand: DraftCandidate, cfg: DraftConfig, target_dir: Path, traces_d
     if not getattr(model, "num_mtp_layers", 0):
         arch = (target_config.get("architectures") or ["?"])[0]
         raise ValueError(f"draft.candidates[{cand.label}]: kind mtp fine-tunes the target's own MTP layers, and the "
-                         f"{arch} at {target_dir} has none (DeepSeek-V3 / GLM-4.5 with num_nextn_predict_layers >= 1)")
+                         f"{arch} at {target_dir} has none (DeepSeek-V3 / V3.2, GLM-4.5 / GLM-5 checkpoints that hold "
+                         "them; DeepSeek-V4's published MTP layer is not built)")
     if init is not None:  # a refresh: continue from the current fine-tuned head
         load_mtp_state(model, safetensors.numpy.load_file(str(init / "mtp" / "model.safetensors")))
     temperature = float(meta.get("temperature", 0.0)) if cand.temperature is None else cand.temperature

@@ -18,7 +18,7 @@ Measured in one run, on the same held-out rows and prompts:
   held-out ones; the train split's, said so, when it judges none held out), pass@1 greedy and at
   `serve_temperature` of the base, the fine-tuned model and each quantized variant, and the data's own
   answers' score as the ceiling (gates `min_task_accuracy`, `max_task_accuracy_drop`);
-- every draft candidate of the draft artifact (EAGLE-3, P-EAGLE, DFlash; and, for DeepSeek-V3/GLM-4.5
+- every draft candidate of the draft artifact (EAGLE-3, P-EAGLE, DFlash; and, for DeepSeek-V3/V3.2, GLM-4.5/GLM-5
   targets, the target's own MTP head): speculative decoding vs plain decoding of the served target (the
   fine-tuned model or the quantized variant named by `spec_target`), at the same batch size, on held-out
   prompts, at every `spec_temperatures` (`spec_k` draft tokens per verify: chained, or in one forward
@@ -564,7 +564,7 @@ def evaluate(cfg: EvalConfig, *, base: Path | None, finetuned: Path, quantized: 
             report["drafts"] = candidates_report(served, draft_candidates(draft), prompts, cfg, eos, finetuned)
             chosen = choose_draft(report["drafts"], cfg.gates.min_acceptance_length)
             report["draft"] = {**report["drafts"][chosen], "name": chosen, "target": cfg.spec_target}
-        if getattr(served, "num_mtp_layers", 0):  # DeepSeek-V3 / GLM-4.5: the built-in MTP head as a draft
+        if getattr(served, "num_mtp_layers", 0):  # DeepSeek-V3 / V3.2, GLM-4.5 / GLM-5: the MTP head
             report["mtp"] = draft_report(served, MTPDraft(served), prompts, cfg, eos)
     report |= judge(report, cfg)
     report["eval_tokens"] = int(sum(b["loss_mask"].sum() for b in batches))
