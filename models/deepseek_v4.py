@@ -26,9 +26,25 @@ clamped shared expert.
 
 HF tensors are transformers' `save_pretrained` names (the reference's: `layers.{i}.attn.wq_a`, `...attn.compressor.
 wkv`, `...ffn.experts.{e}.w1`, `layers.{i}.hc_attn_fn`, `hc_head.hc_fn`, top-level `head.weight`), which this module's
-attribute names follow. With a KV cache, each layer's `cache.k` holds the rotated sliding key and `cache.v` the
-compressors' per-token projections (kv | gate, then the indexer's); compressed entries are rebuilt from them at every
-call, so any cache length, rollback or speculative tree sees exactly the full forward's entries.
+attribute names follow.
+
+KV cache (models/generate.py `KVCache`; docs/models/deepseek-v4.md): each layer's `cache.k` holds the rotated K = V
+sliding key of every slot (no `cache.v`), and `cache.extra[str(i)]` compressed layer i's state
+(`DeepseekV4Config.cache_extra`), every row keyed by slot:
+
+    entries [B, S // m, Hd]  the finished compressed entries: entry w (rotated at w·m) at row w
+    index   [B, S // m, DI]  CSA only: the indexer compressor's entries, at the same rows
+    ring    [B, P, F]        the per-token [kv | gate] projections (CSA: then the indexer's) of the last P slots,
+                             slot s at row s mod P; P = span + call_width − 1, span = m (HCA) or 2m (CSA's overlap)
+
+A call of T tokens at slots start..start+T−1 pools only the ⌈T / m⌉ windows that may close in it, gathered from the
+ring and its own projections (`Compressor.step`: O(T + m) compressor work per call whatever S), writes the closed
+ones' entries at their rows and its projections into the ring. `rollback` (lowering `length`) needs nothing more: an
+entry closed by rejected tokens is visible only to queries at or past its closing slot, and the call that writes
+that slot again rewrites the entry first; the ring's call_width − 1 spare rows keep the open window's slots that a
+rollback into a call of up to call_width tokens (speculative verification, k + 1) needs again. transformers'
+`DeepseekV4HCACache` / `DeepseekV4CSACache` keep the same state (the entries emitted so far, a buffer of the open
+window's projections, the previous window's overlap halves) as growing lists; here the shapes are fixed for `jit`.
 
 Shape legend: B batch, T length, S key slots (the cache length with a cache), D model, n streams, N heads,
 Hd head dim, R rope dims, Q q latent, G o_groups, O o_lora_rank, H indexer heads, DI indexer head dim, m rate,
@@ -166,14 +182,36 @@ class DeepseekV4Config:
         return {SLIDING: 0, CSA: self.compress_rate_csa, HCA: self.compress_rate_hca}[self.layer_types[i]]
 
     def raw_width(self, i: int) -> int:
-        """Per-token compressor projections layer i caches: kv and gate, 2·Hd each with CSA's overlap (+ the
-        indexer's 2·DI each), Hd each for HCA."""
+        """Per-token compressor projections of layer i (what its open windows keep): kv and gate, 2·Hd each with
+        CSA's overlap (+ the indexer's 2·DI each), Hd each for HCA."""
         kind, Hd, DI = self.layer_types[i], self.head_dim, self.index_head_dim
         return {SLIDING: 0, CSA: 4 * Hd + 4 * DI, HCA: 2 * Hd}[kind]
 
+    def window_span(self, i: int) -> int:
+        """Tokens one compressed entry of layer i pools: 2m with CSA's overlap, m for HCA (0: sliding)."""
+        return (2 if self.layer_types[i] == CSA else 1) * self.compress_rate(i)
+
     def kv_cache_dims(self) -> tuple[tuple[int, int], tuple[int, int]]:
-        """k = the rotated K=V sliding key (1 × Hd); v = the compressors' per-token projections (the widest layer)."""
-        return (1, self.head_dim), (1, max([self.raw_width(i) for i in range(self.num_hidden_layers)] + [1]))
+        """k = the rotated K=V sliding key (1 × Hd); no v (K = V; the compressors' state is `cache_extra`)."""
+        return (1, self.head_dim), (1, 0)
+
+    def cache_extra(self, batch: int, max_len: int, dtype: Any, call_width: int = 1) -> dict[str, dict[str, jax.Array]]:
+        """The compressed layers' cache state (`KVCache.extra`), per layer i (key str(i)):
+        `entries` [B, S // m, Hd] (entry w, rotated, at row w), for CSA `index` [B, S // m, DI] (the indexer's
+        entries), and `ring` [B, P, raw_width] the per-token projections of the last P slots (slot s at row s mod P),
+        P = window_span + call_width − 1: the open window, the previous one's first halves (CSA), and the slots a
+        rollback into a call of `call_width` tokens needs again."""
+        out = {}
+        for i, kind in enumerate(self.layer_types):
+            if kind == SLIDING:
+                continue
+            W = max_len // self.compress_rate(i)
+            state = {"ring": jnp.zeros((batch, self.window_span(i) + call_width - 1, self.raw_width(i)), dtype),
+                     "entries": jnp.zeros((batch, W, self.head_dim), dtype)}
+            if kind == CSA:
+                state["index"] = jnp.zeros((batch, W, self.index_head_dim), dtype)
+            out[str(i)] = state
+        return out
 
     def rope_tables(self, positions: jax.Array, compressed: bool) -> tuple[jax.Array, jax.Array]:
         """cos, sin [..., R/2] fp32 at integer `positions` [...]: one angle per interleaved pair; the compressed
@@ -383,27 +421,69 @@ class Compressor(nnx.Module):
     def raw_width(self) -> int:
         return 2 * (2 if self.overlap else 1) * self.dim
 
+    @property
+    def span(self) -> int:
+        """Tokens one entry pools: 2m with the overlap (window w−1, then window w), else m."""
+        return (2 if self.overlap else 1) * self.rate
+
     def project(self, x: jax.Array) -> jax.Array:
-        """x [B, T, D] -> per-token [kv | gate] [B, T, raw_width] (what the cache keeps)."""
+        """x [B, T, D] -> per-token [kv | gate] [B, T, raw_width] (what the open windows keep)."""
         return jnp.concatenate([self.wkv(x), self.wgate(x)], axis=-1)
+
+    def pool(self, raw: jax.Array, before: jax.Array | None, w: jax.Array) -> jax.Array:
+        """The tokens of windows w [B, W]: raw [B, W, span, raw_width] (with the overlap, window w−1's m tokens then
+        window w's; `before` [B, W, span] marks slots before 0, which weigh nothing) -> entries [B, W, X]."""
+        m, X = self.rate, self.dim
+        half = raw.shape[-1] // 2
+        kv = raw[..., :half]
+        gate = raw[..., half:].astype(jnp.float32) + jnp.tile(self.ape[...], (self.span // m, 1))
+        if before is not None:
+            kv = jnp.where(before[..., None], 0, kv)
+            gate = jnp.where(before[..., None], -jnp.inf, gate)
+        if self.overlap:  # [B, W, 2m, X]: window w−1's first halves, then window w's second halves
+            kv = jnp.concatenate([kv[:, :, :m, :X], kv[:, :, m:, X:]], axis=2)
+            gate = jnp.concatenate([gate[:, :, :m, :X], gate[:, :, m:, X:]], axis=2)
+        weights = jax.nn.softmax(gate, axis=2).astype(kv.dtype)
+        entries = self.norm(jnp.sum(kv * weights, axis=2))  # [B, W, X]
+        cos, sin = self.config.rope_tables(w * m, compressed=True)  # rotated at the window's first slot
+        return rope_tail(entries[:, :, None, :], cos, sin)[:, :, 0]
 
     def __call__(self, raw: jax.Array) -> jax.Array:
         """raw [B, S, raw_width] of key slots 0..S-1 -> entries [B, S // m, X], entry w closing at slot (w+1)·m − 1."""
-        B, S, _ = raw.shape
-        m, X, W = self.rate, self.dim, S // self.rate
-        half = raw.shape[-1] // 2
-        kv = raw[:, :W * m, :half].reshape(B, W, m, half)
-        gate = raw[:, :W * m, half:].reshape(B, W, m, half).astype(jnp.float32) + self.ape[...]
-        if self.overlap:  # [B, W, 2m, X]: window w−1's first halves (none before window 0), then window w's second
-            prev_kv = jnp.pad(kv[:, :-1, :, :X], ((0, 0), (1, 0), (0, 0), (0, 0)))
-            prev_gate = jnp.pad(gate[:, :-1, :, :X], ((0, 0), (1, 0), (0, 0), (0, 0)), constant_values=-jnp.inf)
-            kv = jnp.concatenate([prev_kv, kv[..., X:]], axis=2)
-            gate = jnp.concatenate([prev_gate, gate[..., X:]], axis=2)
-        weights = jax.nn.softmax(gate, axis=2).astype(kv.dtype)
-        entries = self.norm(jnp.sum(kv * weights, axis=2))  # [B, W, X]
-        positions = jnp.broadcast_to(jnp.arange(W, dtype=jnp.int32) * m, (B, W))
-        cos, sin = self.config.rope_tables(positions, compressed=True)
-        return rope_tail(entries[:, :, None, :], cos, sin)[:, :, 0]
+        B, S, F = raw.shape
+        m, W = self.rate, S // self.rate
+        windows = raw[:, :W * m].reshape(B, W, m, F)
+        w = jnp.broadcast_to(jnp.arange(W, dtype=jnp.int32), (B, W))
+        if not self.overlap:
+            return self.pool(windows, None, w)
+        prev = jnp.pad(windows, ((0, 0), (1, 0), (0, 0), (0, 0)))[:, :W]  # window w−1's tokens (none before 0)
+        before = jnp.broadcast_to((jnp.arange(2 * m) < m) & (jnp.arange(W) == 0)[:, None], (B, W, 2 * m))
+        return self.pool(jnp.concatenate([prev, windows], axis=2), before, w)
+
+    def step(self, raw: jax.Array, ring: jax.Array, start: jax.Array, entries: jax.Array, end: jax.Array
+             ) -> tuple[jax.Array, jax.Array]:
+        """One cached call: this call's raw [B, T, raw_width] at slots start..start+T−1 (start [B]), the ring
+        [B, P, raw_width] of slot s at row s mod P (the slots before start that open windows need), entries
+        [B, S // m, X] -> (entries with every window that closes in this call written at its row, the ring with
+        this call's slots below end [B] (one past its last real token) written). Pools ⌈T / m⌉ windows of `span`
+        slots each, gathered from the ring and this call: O(T + m) whatever the cache length."""
+        B, T, F = raw.shape
+        P, m, Wmax = ring.shape[1], self.rate, entries.shape[1]
+        rows = jnp.arange(B)[:, None]
+        # the slots start−P .. start+T−1: the ring's oldest first, then this call's
+        src = jnp.concatenate([jnp.take_along_axis(ring, ((start[:, None] + jnp.arange(P)) % P)[..., None], axis=1),
+                               raw.astype(ring.dtype)], axis=1)  # [B, P + T, F]
+        w = start[:, None] // m + jnp.arange(-(-T // m), dtype=jnp.int32)  # [B, Wc]: the windows that may close
+        slots = (w[..., None] + 1) * m - self.span + jnp.arange(self.span)  # [B, Wc, span]
+        at = jnp.clip(slots - (start[:, None, None] - P), 0, P + T - 1)  # never clipped for a window that closes
+        pooled = self.pool(jnp.take_along_axis(src, at.reshape(B, -1, 1), axis=1).reshape(*slots.shape, F),
+                           slots < 0, w)  # [B, Wc, X]
+        closed = (w + 1) * m <= start[:, None] + T
+        entries = entries.at[rows, jnp.where(closed, w, Wmax)].set(pooled.astype(entries.dtype), mode="drop")
+        new = start[:, None] + jnp.arange(T)  # [B, T]
+        keep = (new < end[:, None]) & (new >= end[:, None] - P)  # the last P below end: no row written twice
+        ring = ring.at[rows, jnp.where(keep, new % P, P)].set(raw.astype(ring.dtype), mode="drop")
+        return entries, ring
 
 
 class V4Indexer(nnx.Module):
@@ -422,14 +502,14 @@ class V4Indexer(nnx.Module):
         self.weights_proj = Linear(c.hidden_size, c.index_n_heads, axes=("embed", "heads"), **kw)
         self.compressor = Compressor(c, c.compress_rate_csa, c.index_head_dim, True, **kw)
 
-    def __call__(self, x: jax.Array, q_latent: jax.Array, raw: jax.Array, visible: jax.Array,
+    def __call__(self, x: jax.Array, q_latent: jax.Array, keys: jax.Array, visible: jax.Array,
                  rope: tuple[jax.Array, jax.Array]) -> jax.Array:
-        """x [B, T, D], q_latent [B, T, Q], the compressor's raw [B, S, F], visible entries [B, T, W]
+        """x [B, T, D], q_latent [B, T, Q], the compressor's entries [B, W, DI], visible entries [B, T, W]
         -> the kept ones [B, T, W]."""
         B, T, _ = x.shape
         q = rope_tail(self.wq_b(q_latent).reshape(B, T, self.n_heads, self.head_dim), *rope)  # [B, T, H, DI]
         weights = self.weights_proj(x).astype(jnp.float32) * self.n_heads**-0.5  # [B, T, H]
-        return self.select(q, weights, self.compressor(raw), visible)
+        return self.select(q, weights, keys.astype(q.dtype), visible)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -469,29 +549,19 @@ class V4Attention(nnx.Module):
         q_latent = self.q_norm(self.wq_a(x))  # [B, T, Q]
         q = rope_tail(unweighted_rms(self.wq_b(q_latent).reshape(B, T, N, Hd), self.eps), *rope)  # [B, T, N, Hd]
         kv = rope_tail(self.norm(self.wkv(x))[:, :, None, :], *rope)  # [B, T, 1, Hd]
-        raw = None
-        if self.compressor is not None:
-            raw = self.compressor.project(x)
-            if self.indexer is not None:
-                raw = jnp.concatenate([raw, self.indexer.compressor.project(x)], axis=-1)  # [B, T, F]
-        if cache is not None:  # keys over the cache's slots; this call's rows written first
-            width = cache.v.shape[-1]
-            store = jnp.zeros((B, T, 1, width), cache.v.dtype) if raw is None else \
-                jnp.pad(raw, ((0, 0), (0, 0), (0, width - raw.shape[-1])))[:, :, None, :]
-            cache = cache.write(layer, ctx.slots, kv, store)
+        mask = ctx.mask(window)  # [B, T, S]
+        if cache is not None:  # the sliding keys over the cache's slots; this call's rows written first
+            cache = cache.write(layer, ctx.slots, kv, kv[..., :0])  # K = V: no v
             keys = cache.k[layer][:, 0]  # [B, S, Hd]
-            raw = None if raw is None else cache.v[layer][:, 0, :, :raw.shape[-1]].astype(x.dtype)  # [B, S, F]
         else:
             keys = kv[:, :, 0]  # [B, T, Hd]
-        mask = ctx.mask(window)  # [B, T, S]
         if self.compressor is not None:
-            F = self.compressor.raw_width
-            entries = self.compressor(raw[..., :F])  # [B, W, Hd]
+            entries, index_keys, cache = self.compress(x, ctx, cache, layer)  # [B, W, Hd], [B, W, DI] or None
             W, m = entries.shape[1], self.rate
             # entry w is visible where its closing slot (w+1)·m − 1 is (causality and padding of the full mask)
             visible = ctx.mask(None)[:, :, m - 1:W * m:m]  # [B, T, W]
             if self.indexer is not None:
-                visible = self.indexer(x, q_latent, raw[..., F:], visible, rope)
+                visible = self.indexer(x, q_latent, index_keys, visible, rope)
             keys = jnp.concatenate([keys, entries.astype(keys.dtype)], axis=1)  # [B, S + W, Hd]
             mask = jnp.concatenate([mask, visible], axis=-1)
         k = keys[:, None]  # [B, 1, S(+W), Hd]: K = V
@@ -504,6 +574,32 @@ class V4Attention(nnx.Module):
         w = self.wo_a.weight().astype(self.wo_a.dtype).reshape(N * Hd // self.groups, self.groups, -1)  # [in, G, O]
         low = jnp.einsum("btgi,igo->btgo", grouped.astype(self.wo_a.dtype), w)  # [B, T, G, O]
         return self.wo_b(low.reshape(B, T, -1)), cache
+
+    def compress(self, x: jax.Array, ctx: Context, cache: KVCache | None, layer: int
+                 ) -> tuple[jax.Array, jax.Array | None, KVCache | None]:
+        """The compressed entries [B, W, Hd] and the indexer's [B, W, DI] (CSA; else None) this call attends to:
+        without a cache every closed window of x; with one, the cache's entries [B, S // m, ·] after this call's
+        closing windows are written (`Compressor.step`; the ring, entries and index rows in `cache.extra`)."""
+        raw = self.compressor.project(x)  # [B, T, F]
+        F = raw.shape[-1]
+        if self.indexer is not None:
+            raw = jnp.concatenate([raw, self.indexer.compressor.project(x)], axis=-1)
+        if cache is None:
+            index_keys = None if self.indexer is None else self.indexer.compressor(raw[..., F:])
+            return self.compressor(raw[..., :F]), index_keys, None
+        state, start = dict(cache.extra[str(layer)]), ctx.slots[:, 0]  # [B]
+        T = x.shape[1]
+        real = jnp.take_along_axis(cache.valid, ctx.slots, axis=1)  # [B, T]: this call's real tokens
+        end = start + 1 + jnp.max(jnp.where(real, jnp.arange(T), -1), axis=1)  # [B]: past the last real one
+        state["entries"], ring = self.compressor.step(raw[..., :F], state["ring"][..., :F], start, state["entries"],
+                                                       end)
+        if self.indexer is not None:
+            state["index"], ring_i = self.indexer.compressor.step(raw[..., F:], state["ring"][..., F:], start,
+                                                                  state["index"], end)
+            ring = jnp.concatenate([ring, ring_i], axis=-1)
+        state["ring"] = ring
+        cache = dataclasses.replace(cache, extra={**cache.extra, str(layer): state})
+        return state["entries"], state.get("index"), cache
 
 
 # ------------------------------------------------------------------------------------------------

@@ -37,22 +37,34 @@ class KVCache:
     v: jax.Array  # [L, B, K, S, Hv] (MLA: k = latent [L, B, 1, S, kv_lora], v = rope key [L, B, 1, S, R])
     valid: jax.Array  # [B, S] bool: slot holds a real (non-padding) token
     length: jax.Array  # [B] int32: next slot to write per row
+    # A family's own state beyond one entry per slot (a pytree of arrays, batch on axis 0; DeepSeek-V4's compressed
+    # entries and open compression windows). The family keys it by slot so that `rollback` needs no change.
+    extra: Any = None
 
     @classmethod
-    def init(cls, config: Any, batch: int, max_len: int, dtype: Any = jnp.float32, *,
+    def init(cls, config: Any, batch: int, max_len: int, dtype: Any = jnp.float32, call_width: int = 1, *,
              layers: int | None = None) -> KVCache:
         """An empty cache of `layers` layers (default config.num_hidden_layers). `config.kv_cache_dims()`
         ((Kk, Hk), (Kv, Hv)) overrides the (K, H) per token of k and v: MLA caches its compressed latent
-        and its single rope key instead."""
+        and its single rope key instead. `config.cache_extra(batch, max_len, dtype, call_width)` builds
+        `extra`; `call_width` is the widest call a later `rollback` may cut into (speculative verification:
+        k + 1; decoding: 1)."""
         dims = getattr(config, "kv_cache_dims", None)
         (kk, hk), (kv, hv) = dims() if dims else ((config.num_key_value_heads, config.head_dim),) * 2
         L = config.num_hidden_layers if layers is None else layers
+        extra = getattr(config, "cache_extra", None)
         return cls(
             k=jnp.zeros((L, batch, kk, max_len, hk), dtype),
             v=jnp.zeros((L, batch, kv, max_len, hv), dtype),
             valid=jnp.zeros((batch, max_len), bool),
             length=jnp.zeros((batch,), jnp.int32),
+            extra=extra(batch, max_len, dtype, call_width) if extra else None,
         )
+
+    def rows(self, idx: jax.Array) -> KVCache:
+        """The cache rows idx [B'] (repeats allowed: a beam's copy of its parent's, a prompt's for its samples)."""
+        return KVCache(k=self.k[:, idx], v=self.v[:, idx], valid=self.valid[idx], length=self.length[idx],
+                       extra=jax.tree.map(lambda a: a[idx], self.extra))
 
     @property
     def max_len(self) -> int:
@@ -75,7 +87,8 @@ class KVCache:
         )
 
     def rollback(self, length: jax.Array) -> KVCache:
-        """Forget every slot at or beyond `length` [B]; stale slots are never attended to (causality)."""
+        """Forget every slot at or beyond `length` [B]; stale slots are never attended to (causality). `extra`
+        stays: its family keys it by slot, and rewrites what the next calls overwrite."""
         return dataclasses.replace(self, length=jnp.asarray(length, jnp.int32))
 
 
@@ -245,8 +258,7 @@ def _generate_jit(graphdef, state, prompt_ids, prompt_lengths, rng, temperature,
     final = final[jnp.arange(B), last]  # [B, D]: the last prompt position's
     if num_samples > 1:  # each prompt's cache, length and last hidden repeated for its samples: [B] -> [B·n]
         rep = functools.partial(jnp.repeat, repeats=num_samples, axis=0)
-        cache = KVCache(k=jnp.repeat(cache.k, num_samples, axis=1), v=jnp.repeat(cache.v, num_samples, axis=1),
-                        valid=rep(cache.valid), length=rep(cache.length))  # k, v: [L, B·n, ...]
+        cache = cache.rows(rep(jnp.arange(B)))  # k, v: [L, B·n, ...]
         final, prompt_lengths, B = rep(final), rep(prompt_lengths), B * num_samples
     rng, key = jax.random.split(rng)
     first = sample(model.lm_logits(final), key)  # [B]

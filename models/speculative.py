@@ -328,6 +328,9 @@ def speculative_generate(
         if not greedy or B != 1:
             raise ValueError(f"mode='tree' supports greedy decoding (temperature 0) of one prompt [1, T]; "
                              f"got temperature {temperature}, batch {B}")
+        if getattr(target.config, "cache_extra", None) is not None:  # e.g. DeepSeek-V4's compressed entries
+            raise NotImplementedError(f"mode='tree' with {type(target).__name__}: its cache keeps state built from "
+                                      "consecutive slots (compressed windows), which a tree's branches would mix")
         K, D, N = tree_top_k, tree_depth, tree_tokens
         C = K + (D - 1) * K * K
         if K < 1 or D < 1 or not 1 <= N <= C:
@@ -355,11 +358,6 @@ def speculative_generate(
                       drafts=np.asarray(drafts)[:calls])
 
 
-def _rows(cache: KVCache, idx: jax.Array) -> KVCache:
-    """The cache rows idx [B'] (a beam's copy of its parent's cache)."""
-    return KVCache(k=cache.k[:, idx], v=cache.v[:, idx], valid=cache.valid[idx], length=cache.length[idx])
-
-
 @functools.partial(jax.jit, static_argnames=("graphdef", "max_new_tokens", "k", "greedy", "use_top_p", "layers",
                                              "tree", "block"))
 def _speculative_jit(graphdef, state, prompt_ids, rng, temperature, top_p, eos_ids, pad_id, *, max_new_tokens, k,
@@ -377,8 +375,8 @@ def _speculative_jit(graphdef, state, prompt_ids, rng, temperature, top_p, eos_i
     features = lambda hidden: jnp.concatenate(hidden, axis=-1)  # list of [B, T, D_t] -> [B, T, F]
 
     # -- prefill: the target over the prompt; the draft over entries 0..T-2 (entry T-1 is pending) --
-    logits, t_cache, hidden = target(prompt_ids, cache=KVCache.init(target.config, B, S, target.dtype),
-                                     return_hidden=layers)
+    t_cache = KVCache.init(target.config, B, S, target.dtype, call_width=max(W, verify_len))  # rolled back per call
+    logits, t_cache, hidden = target(prompt_ids, cache=t_cache, return_hidden=layers)
     feats = features(hidden)  # [B, T, F]
     rng, key = jax.random.split(rng)
     last = logits[:, -1]  # [B, V]
@@ -477,7 +475,7 @@ def _speculative_jit(graphdef, state, prompt_ids, rng, temperature, top_p, eos_i
         cand_score = jnp.zeros((C,), jnp.float32).at[:K].set(s1)
         cand_parent = jnp.zeros((C,), jnp.int32)  # tree index of the parent: 0 = root, c + 1 = candidate c
         beam = (jnp.arange(K, dtype=jnp.int32), s1, tmap[i1], jnp.broadcast_to(h, (K, h.shape[-1])),
-                _rows(d_cache, jnp.zeros((K,), jnp.int32)))
+                d_cache.rows(jnp.zeros((K,), jnp.int32)))
 
         def expand(c, d):
             """Depth d + 2: feed the K beam nodes (depth d + 1), keep all K·K children as candidates and
@@ -494,7 +492,7 @@ def _speculative_jit(graphdef, state, prompt_ids, rng, temperature, top_p, eos_i
             cand_parent = jax.lax.dynamic_update_slice(cand_parent, jnp.repeat(b_idx + 1, K), (off,))
             best_score, best = jax.lax.top_k(score, K)
             parent = best // K
-            beam = (off + best, best_score, tok[best], h_out[parent, 0], _rows(b_cache, parent))
+            beam = (off + best, best_score, tok[best], h_out[parent, 0], b_cache.rows(parent))
             return (beam, cand_tok, cand_score, cand_parent), None
 
         (_, cand_tok, cand_score, cand_parent), _ = jax.lax.scan(

@@ -1,8 +1,10 @@
 """DeepSeek-V4 parity with transformers 5.25 `DeepseekV4ForCausalLM` (fp32, eager attention, highest matmul precision):
 a sliding-only, a CSA and an HCA layer on sequences longer than the window, both compression rates and the indexer's
 top-k (so every sparse and compressed path runs), mHC with perturbed weights, a hash-routed first layer (a random
-`tid2eid`), sqrt-softplus routing and clamped SwiGLU; the KV cache (sliding keys and the compressors' per-token
-projections) in decode and `generate`; our save -> transformers load; the config spellings (docs/models/deepseek-v4.md).
+`tid2eid`), sqrt-softplus routing and clamped SwiGLU; the KV cache (sliding keys, finished compressed entries and
+the open windows' projections) in decode, `generate` and speculative verify-and-roll-back calls, and a decode step's
+compressor work independent of the cache length; our save -> transformers load; the config spellings
+(docs/models/deepseek-v4.md).
 
 Tiny config: hidden 64, 4 heads of 32 (16 rotated), q_lora 32, 2 streams, window 8, CSA m=4 keeping the top 3 of
 its entries with an 8-head indexer of 16 dims, HCA m=8, 8 experts of 32 (top-2), o_groups 2 × 16; 24 tokens (6 CSA
@@ -14,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -32,9 +35,10 @@ from parity_helpers import (
 )
 from safetensors.numpy import load_file
 
-from models import generate, jit_forward
+from models import KVCache, generate, jit_forward
 from models.deepseek_v4 import CSA, HCA, SLIDING, DeepseekV4, DeepseekV4Config, HashRouter, V4Router
 from models.hf import from_pretrained, save_pretrained
+from models.layers import RMSNorm
 
 pytestmark = pytest.mark.parity
 V, E, TOPK = 128, 8, 3
@@ -109,14 +113,75 @@ def test_save_has_transformers_tensors_and_loads_back(ckpt, tmp_path):
 
 def test_cached_decoding_and_generate_equal_the_full_forward(ckpt):
     """Prefill 5 tokens (inside the first CSA window's successor, before any HCA window closes), then one token at
-    a time through the cache (the entries are rebuilt from the cached projections), and `generate` (greedy)
-    emitting the full forward's argmax at every step past the window and both compression rates."""
+    a time through the cache (each closing window appends its entry from the cached open window), and `generate`
+    (greedy) emitting the full forward's argmax at every step past the window and both compression rates."""
     _, _, ours, ref = ckpt
     assert rel_err(decode_logits(ours, IDS, split=5), ref) <= 1e-5  # windows close at 7, 11, 15, 19, 23 as it goes
     prompt = IDS[:, :5]
     out = generate(ours, jnp.asarray(prompt), max_new_tokens=14)
     lengths = np.full(2, 5, np.int32)  # rows of 19 tokens, past twice the window (8)
     assert_generate_is_the_forwards_argmax(ours, prompt, lengths, np.asarray(out.tokens), longer_than=2 * 8)
+
+
+def test_verify_and_roll_back_through_the_compressed_cache_equals_transformers(ckpt):
+    """Speculative decoding's target calls: a block of W = 4 tokens of which each row accepts a random prefix
+    (the rest are wrong tokens), then a rollback to the accepted length, from 4 tokens to all 24. The accepted
+    positions' logits equal transformers' full forward ≤ 1e-5: the entries rejected tokens closed are never seen
+    and rewritten, and the ring of open-window projections (sized for W) still holds what the rolled-back windows
+    need. The cache holds no per-token projections: entries [B, S / m, ·] and the ring [B, span + W − 1, ·]."""
+    _, _, ours, ref = ckpt
+    B, T, W = *IDS.shape, 4
+    cache = KVCache.init(ours.config, B, T + W, ours.dtype, call_width=W)
+    c = ours.config
+    assert cache.v.shape[-1] == 0 and sorted(cache.extra) == ["1", "2"]  # the CSA and HCA layers
+    for i, m, span in ((1, 4, 8), (2, 8, 8)):
+        assert cache.extra[str(i)]["entries"].shape == (B, (T + W) // m, c.head_dim)
+        assert cache.extra[str(i)]["ring"].shape == (B, span + W - 1, c.raw_width(i))
+    assert cache.extra["1"]["index"].shape == (B, (T + W) // 4, c.index_head_dim)
+    forward, rng = jit_forward(ours), np.random.default_rng(3)
+    got, want, length = [], [], np.zeros(B, np.int64)
+    while length.min() < T:  # one compiled call shape: the prefill is the first block, all of it accepted
+        accept = np.minimum(rng.integers(0, W, B) if length.any() else W - 1, T - 1 - length)  # right up to here
+        block = rng.integers(0, V, (B, W)).astype(np.int32)
+        for b in range(B):
+            block[b, :accept[b] + 1] = IDS[b, length[b]:length[b] + accept[b] + 1]
+        logits, cache = forward(jnp.asarray(block), positions=jnp.asarray(length[:, None] + np.arange(W), jnp.int32),
+                                cache=cache)
+        for b in range(B):
+            got.append(np.asarray(logits)[b, :accept[b] + 1])
+            want.append(ref[b, length[b]:length[b] + accept[b] + 1])
+        length = length + accept + 1
+        cache = cache.rollback(jnp.asarray(length, jnp.int32))
+    assert np.all(length == T)  # past the window and both rates, with windows closing in rolled-back calls
+    err = rel_err(np.concatenate([g.reshape(-1, V) for g in got]), np.concatenate([w.reshape(-1, V) for w in want]))
+    print(f"DeepSeek-V4 verify-and-roll-back decoding vs transformers: max rel err {err:.2e}")
+    assert err <= 1e-5
+
+
+def test_a_decode_step_pools_one_window_whatever_the_cache_length(ckpt, monkeypatch):
+    """What the compressors pool in one decode step (the entries their softmax, sum and norm run over) is one
+    window [B, 1, X] at every cache length: the step appends at most one entry and never re-pools the cached
+    windows (re-pooling every closed window, as a cache of per-token projections must, is [B, S / m, X])."""
+    _, _, ours, _ = ckpt
+    norms = {id(layer.attn.compressor.norm) for layer in ours.layers if layer.attn.compressor is not None}
+    norms |= {id(layer.attn.indexer.compressor.norm) for layer in ours.layers if layer.attn.indexer is not None}
+    seen: list[tuple[int, ...]] = []
+    call = RMSNorm.__call__
+
+    def spy(self, x, *args, **kwargs):
+        if id(self) in norms:
+            seen.append(tuple(x.shape))
+        return call(self, x, *args, **kwargs)
+
+    monkeypatch.setattr(RMSNorm, "__call__", spy)
+    pooled = {}
+    for S in (32, 256):
+        seen.clear()
+        cache = dataclasses.replace(KVCache.init(ours.config, 2, S), length=jnp.full((2,), S // 2, jnp.int32))
+        jax.make_jaxpr(lambda ids, cache: ours(ids, cache=cache))(jnp.zeros((2, 1), jnp.int32), cache)
+        pooled[S] = sorted(seen)
+    c = ours.config
+    assert pooled[32] == pooled[256] == sorted([(2, 1, c.head_dim), (2, 1, c.index_head_dim), (2, 1, c.head_dim)])
 
 
 def test_config_spellings_and_refusals(ckpt, tmp_path):

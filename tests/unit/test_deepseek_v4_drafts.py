@@ -1,7 +1,7 @@
 """DeepSeek-V4 as a speculative-decoding target (docs/models/deepseek-v4.md): `return_hidden` gives each layer's
 feature [B, T, D] (the mean of its mHC streams), the LM head is `lm_head` to every reader (untied), and an EAGLE-3
 draft sized for V4 trains on those features and verifies losslessly against the tiny target, past its sliding
-window and both compression rates.
+window and both compression rates, untrained (rolling the compressed cache back at nearly every call) and trained.
 
     pytest tests/unit/test_deepseek_v4_drafts.py
 """
@@ -77,6 +77,11 @@ def test_eagle3_draft_trains_on_v4_features_and_verifies_losslessly(target):
     # one packed batch of the target's own greedy continuations; features and logits from the target
     prompt = jnp.asarray(np.random.default_rng(1).integers(0, V, (2, 5)), jnp.int32)
     ref = generate(target, prompt, max_new_tokens=14).tokens  # [2, 14]
+    # the untrained draft first (the same compiled program as the trained one's below): most drafts are rejected,
+    # so the verify calls roll the compressed cache back mid-window, and the tokens are still greedy's
+    out = speculative_generate(target, draft, prompt, max_new_tokens=14, k=3)
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref))
+    assert out.mean_acceptance_length < 2.0, out.mean_acceptance_length
     seq = jnp.concatenate([prompt, ref], axis=1)  # [2, 19]
     logits, hidden = target(seq, return_hidden=draft.target_layers)
     feats = jnp.concatenate(hidden, axis=-1)  # [2, 20, 3·D]
@@ -103,3 +108,5 @@ def test_eagle3_draft_trains_on_v4_features_and_verifies_losslessly(target):
     out = speculative_generate(target, draft, prompt, max_new_tokens=14, k=3)
     np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref))
     assert out.lengths.tolist() == [14, 14] and 1.0 <= out.mean_acceptance_length <= 4.0
+    with pytest.raises(NotImplementedError, match="tree"):  # a tree's branches would mix in compressed windows
+        speculative_generate(target, draft, prompt[:1], max_new_tokens=4, mode="tree")
