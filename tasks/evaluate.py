@@ -79,15 +79,17 @@ log = logging.getLogger("forgeline.evaluate")
 # -- quality ---------------------------------------------------------------------------------------
 
 
+@functools.partial(jax.jit, static_argnames=("graphdef",))
+def _logits(graphdef: nnx.GraphDef, state: nnx.State, batch: dict[str, jax.Array]) -> jax.Array:  # -> [B, T, V]
+    m = nnx.merge(graphdef, state)
+    return m(batch["input_ids"], positions=batch["positions"], segment_ids=batch["segment_ids"])
+
+
 def _logits_fn(model: nnx.Module):
+    """The model's jitted logits on a packed batch. One program per architecture and shape: the base and the
+    fine-tuned model (one graph, other weights) share its compile, as `generate`'s do."""
     graphdef, state = nnx.split(model)
-
-    @jax.jit
-    def f(state, batch):
-        m = nnx.merge(graphdef, state)
-        return m(batch["input_ids"], positions=batch["positions"], segment_ids=batch["segment_ids"])
-
-    return lambda batch: f(state, batch)
+    return lambda batch: _logits(graphdef, state, batch)
 
 
 def _batches(data_dir: Path, cfg: EvalConfig) -> list[dict[str, np.ndarray]]:
