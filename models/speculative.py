@@ -123,6 +123,16 @@ class BlockDraft(Protocol):
                 k: int) -> tuple[jax.Array, KVCache]: ...
 
 
+def tree_unsupported(target: object) -> str | None:
+    """Why `mode='tree'` cannot verify against `target`, or None when it can: a target whose cache keeps state
+    built from consecutive slots (`config.cache_extra`, DeepSeek-V4's compressed windows) would mix a tree's
+    branches, which sit in consecutive slots, into one window."""
+    if getattr(getattr(target, "config", None), "cache_extra", None) is not None:
+        return (f"{type(target).__name__}: its cache keeps state built from consecutive slots (compressed "
+                "windows), which a tree's branches would mix")
+    return None
+
+
 def is_block_draft(draft: object) -> bool:
     """True for drafts that propose a whole block per forward (`BlockDraft`), False for chain drafts."""
     return callable(getattr(draft, "propose", None)) and callable(getattr(draft, "context", None))
@@ -328,9 +338,8 @@ def speculative_generate(
         if not greedy or B != 1:
             raise ValueError(f"mode='tree' supports greedy decoding (temperature 0) of one prompt [1, T]; "
                              f"got temperature {temperature}, batch {B}")
-        if getattr(target.config, "cache_extra", None) is not None:  # e.g. DeepSeek-V4's compressed entries
-            raise NotImplementedError(f"mode='tree' with {type(target).__name__}: its cache keeps state built from "
-                                      "consecutive slots (compressed windows), which a tree's branches would mix")
+        if (why := tree_unsupported(target)) is not None:  # e.g. DeepSeek-V4's compressed entries
+            raise NotImplementedError(f"mode='tree' with {why}")
         K, D, N = tree_top_k, tree_depth, tree_tokens
         C = K + (D - 1) * K * K
         if K < 1 or D < 1 or not 1 <= N <= C:

@@ -59,7 +59,7 @@ from models import quant
 from models.draft_format import folder_kind
 from models.drafts import load_draft, target_head
 from models.generate import generate
-from models.speculative import MTPDraft, is_block_draft, speculative_generate
+from models.speculative import MTPDraft, is_block_draft, speculative_generate, tree_unsupported
 from tasks import checkers
 from tasks.cli import stage_cli
 from tasks.configs import EvalConfig, Gates
@@ -245,10 +245,12 @@ def draft_report(target: nnx.Module, draft: nnx.Module, prompts: list[np.ndarray
                  eos: Any) -> dict[str, Any]:
     """One draft's entry of the report: chain (or, for a block draft, parallel) decoding at every
     `spec_temperatures` (the headline numbers are temperature 0's), plus the EAGLE-2 dynamic tree at
-    temperature 0 when `spec_tree` and the draft drafts one token per forward."""
+    temperature 0 when `spec_tree`, the draft drafts one token per forward and the target's cache can verify a
+    tree (else `tree_skipped` says why)."""
     runs = {f"chain_t{t:g}": speculative(target, draft, prompts, cfg, eos, temperature=t)
             for t in cfg.spec_temperatures}
-    if cfg.spec_tree and not is_block_draft(draft):
+    skipped = tree_unsupported(target) if cfg.spec_tree and not is_block_draft(draft) else None
+    if cfg.spec_tree and not is_block_draft(draft) and skipped is None:
         runs["tree_t0"] = speculative(target, draft, prompts, cfg, eos, temperature=0.0, mode="tree")
     greedy = runs.get("chain_t0") or speculative(target, draft, prompts, cfg, eos, temperature=0.0)
     serving = runs[f"chain_t{cfg.serve_temperature:g}"]
@@ -260,7 +262,8 @@ def draft_report(target: nnx.Module, draft: nnx.Module, prompts: list[np.ndarray
             "speedup_memory_bound": memory_bound_speedup(serving["acceptance_length"], forwards, *weights),
             "draft_tokens": cfg.spec_k, "lossless": all(r.get("lossless", True) for r in runs.values()),
             "mismatched_rows": sum(r.get("mismatched_rows", 0) for r in runs.values()),
-            "per_position_acceptance": greedy["per_position_acceptance"], "runs": runs}
+            "per_position_acceptance": greedy["per_position_acceptance"], "runs": runs,
+            **({"tree_skipped": skipped} if skipped else {})}
 
 
 def streamed_params(model: nnx.Module) -> int:

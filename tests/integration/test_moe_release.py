@@ -37,10 +37,11 @@ from parity_helpers import build_from_config, tiny_configs  # noqa: E402
 # held-out positions the quantization gates score sit at p >= 64 (78 % of the fine-tune's).
 CONFIG_CHANGES: dict[str, dict] = {"DeepseekV32ForCausalLM": {"index_topk": 64},
                                    "GlmMoeDsaForCausalLM": {"index_topk": 64}}
-# Per family, recipe overrides beyond the shared ones. DeepSeek-V4 fine-tunes in full: the default LoRA targets
-# (models/lora_targets.py) name no module of V4 (its checkpoint's attn.wq_a / attn.wkv / ffn.shared_experts.w1 ...
-# names), so `finetune.mode: lora` stops its release before it trains.
-RELEASE_SETS: dict[str, list[str]] = {"DeepseekV4ForCausalLM": ["finetune.mode=full"]}
+# Per family, recipe overrides beyond the shared ones. DeepSeek-V4's LoRA fine-tune runs with full remat and two
+# micro-batches: the default LoRA targets on V4's own module names (models/lora_targets.py) through a real stage,
+# with the remat + gradient-accumulation combination that once raised a TraceContextError (tasks/training/trainer.py).
+RELEASE_SETS: dict[str, list[str]] = {"DeepseekV4ForCausalLM": ["finetune.train.remat=full",
+                                                                "finetune.train.grad_accum=2"]}
 
 
 def make_base(arch: str, out: str) -> None:
@@ -99,6 +100,10 @@ def test_release_on_an_moe_base(tmp_path, arch):
           *(f"{g['gate']}: {g['value']:.4g} vs {g['threshold']:.4g}" for g in report["gates"]), sep="\n")
     assert report["passed"] and report["perplexity"]["finetuned"] < report["perplexity"]["base"], report
     assert report["draft"]["lossless"], report["draft"]
+    # the EAGLE-2 tree verifies against every target but DeepSeek-V4, whose compressed windows span consecutive
+    # slots that a tree's branches would mix: its report says so instead of failing the release
+    assert ("tree_t0" in report["draft"]["runs"]) != ("tree_skipped" in report["draft"]), report["draft"]
+    assert ("tree_skipped" in report["draft"]) == (arch == "DeepseekV4ForCausalLM"), report["draft"]
     assert report["perplexity"]["w4a16-gptq-g16"] <= 1.02 * report["perplexity"]["finetuned"], report["perplexity"]
     made = json.loads(storage.read_bytes(storage.join(url, "quantized/w4a16-gptq-g16/quantization_report.json")))
     experts = [r for r in made["modules"] if ".experts." in r["module"]]  # mlp.experts.N / V4's ffn.experts.N
@@ -112,8 +117,6 @@ def test_release_on_an_moe_base(tmp_path, arch):
         ref = hf(torch.tensor(ids)).logits.numpy()
     ours = np.asarray(from_pretrained(model_dir)(jnp.asarray(ids, jnp.int32)))
     assert np.max(np.abs(ours - ref)) / np.max(np.abs(ref)) <= 1e-4
-    if "finetune.mode=full" in RELEASE_SETS.get(arch, []):
-        return
     # the LoRA adapter (attention, dense MLP, shared and routed experts) on the transformers base
     # reproduces the merged model through peft
     import peft
