@@ -29,17 +29,21 @@ jax.config.update("jax_default_matmul_precision", "highest")
 V, VD = 32, 24  # target vocabulary, draft vocabulary
 
 
-@pytest.fixture(scope="module")
-def target() -> DeepseekV4:
+def perturbed_v4(vocab: int = V) -> DeepseekV4:
     """The tiny V4 (sliding, CSA, HCA layers; 2 streams; window 8, rates 4 and 8) with mHC weights perturbed as the
-    parity tests do, so that the streams differ from each other."""
-    model = DeepseekV4(DeepseekV4Config.tiny(V), rngs=nnx.Rngs(0))
+    parity tests do, so that the streams differ from each other and the stream mean is not any one stream."""
+    model = DeepseekV4(DeepseekV4Config.tiny(vocab), rngs=nnx.Rngs(0))
     for i, layer in enumerate(model.layers):
         for part in ("attn", "ffn"):
             base, fn = getattr(layer, f"hc_{part}_base"), getattr(layer, f"hc_{part}_fn")
             base.set_value(0.5 * jax.random.normal(jax.random.PRNGKey(i), base.get_value().shape))
             fn.set_value(10 * fn.get_value())
     return model
+
+
+@pytest.fixture(scope="module")
+def target() -> DeepseekV4:
+    return perturbed_v4()
 
 
 def test_layer_features_are_the_stream_means_and_the_head_is_untied(target, monkeypatch):

@@ -28,7 +28,7 @@ import pytest
 from flax import nnx
 
 from models import from_pretrained, save_pretrained
-from models.deepseek_v4 import DeepseekV4, DeepseekV4Config
+from models.deepseek_v4 import DeepseekV4
 from models.deepseek_v32 import DeepseekV32, DeepseekV32Config
 from models.drafts import load_draft, save_draft, target_head
 from models.eagle3 import build_draft_vocab, default_aux_layer_ids
@@ -39,6 +39,7 @@ from models.speculative import MTPDraft, speculative_generate
 from tasks.configs import DraftCandidate, DraftConfig
 from tasks.data.features import target_features
 from tasks.draft import TRAINABLE, TRAINING, DraftTrainee, build_draft
+from tests.unit.test_deepseek_v4_drafts import perturbed_v4
 
 pytestmark = pytest.mark.unit
 jax.config.update("jax_default_matmul_precision", "highest")
@@ -48,15 +49,8 @@ PROMPT, NEW = 5, 14  # 19 positions: past the indexer's top 8 (V3.2, GLM-5) and 
 
 
 def _v4() -> DeepseekV4:
-    """The tiny V4 with its mHC weights perturbed (as tests/unit/test_deepseek_v4_drafts.py), so that the streams
-    differ from each other and the stream mean is not any one stream."""
-    model = DeepseekV4(DeepseekV4Config.tiny(V), rngs=nnx.Rngs(0))
-    for i, layer in enumerate(model.layers):
-        for part in ("attn", "ffn"):
-            base, fn = getattr(layer, f"hc_{part}_base"), getattr(layer, f"hc_{part}_fn")
-            base.set_value(0.5 * jax.random.normal(jax.random.PRNGKey(i), base.get_value().shape))
-            fn.set_value(10 * fn.get_value())
-    return model
+    """The tiny V4 with its mHC weights perturbed (tests/unit/test_deepseek_v4_drafts.py)."""
+    return perturbed_v4(V)
 
 
 TARGETS = {  # V3.2 and GLM-5 with the MTP layer their checkpoints ship (the main stack does not read it)
