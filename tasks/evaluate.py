@@ -58,7 +58,7 @@ import models
 from models import quant
 from models.draft_format import folder_kind
 from models.drafts import load_draft, target_head
-from models.generate import generate
+from models.generate import generate, jit_forward
 from models.speculative import MTPDraft, is_block_draft, speculative_generate, tree_unsupported
 from tasks import checkers
 from tasks.cli import stage_cli
@@ -79,17 +79,11 @@ log = logging.getLogger("forgeline.evaluate")
 # -- quality ---------------------------------------------------------------------------------------
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef",))
-def _logits(graphdef: nnx.GraphDef, state: nnx.State, batch: dict[str, jax.Array]) -> jax.Array:  # -> [B, T, V]
-    m = nnx.merge(graphdef, state)
-    return m(batch["input_ids"], positions=batch["positions"], segment_ids=batch["segment_ids"])
-
-
 def _logits_fn(model: nnx.Module):
-    """The model's jitted logits on a packed batch. One program per architecture and shape: the base and the
-    fine-tuned model (one graph, other weights) share its compile, as `generate`'s do."""
-    graphdef, state = nnx.split(model)
-    return lambda batch: _logits(graphdef, state, batch)
+    """The model's jitted logits on a packed batch ([B, T, V]). `jit_forward` keeps one program per architecture
+    and shape: the base and the fine-tuned model (one graph, other weights) share its compile."""
+    forward = jit_forward(model)
+    return lambda batch: forward(batch["input_ids"], positions=batch["positions"], segment_ids=batch["segment_ids"])
 
 
 def _batches(data_dir: Path, cfg: EvalConfig) -> list[dict[str, np.ndarray]]:
@@ -249,8 +243,9 @@ def draft_report(target: nnx.Module, draft: nnx.Module, prompts: list[np.ndarray
     tree (else `tree_skipped` says why)."""
     runs = {f"chain_t{t:g}": speculative(target, draft, prompts, cfg, eos, temperature=t)
             for t in cfg.spec_temperatures}
-    skipped = tree_unsupported(target) if cfg.spec_tree and not is_block_draft(draft) else None
-    if cfg.spec_tree and not is_block_draft(draft) and skipped is None:
+    tree = cfg.spec_tree and not is_block_draft(draft)
+    skipped = tree_unsupported(target) if tree else None
+    if tree and skipped is None:
         runs["tree_t0"] = speculative(target, draft, prompts, cfg, eos, temperature=0.0, mode="tree")
     greedy = runs.get("chain_t0") or speculative(target, draft, prompts, cfg, eos, temperature=0.0)
     serving = runs[f"chain_t{cfg.serve_temperature:g}"]
