@@ -426,7 +426,9 @@ def _failure(e: BaseException) -> None:
 
 
 def _save_traceback(e: BaseException) -> Path:
-    folder = Path(os.environ.get("FORGELINE_CACHE", Path.home() / ".cache" / "forgeline")) / "logs"
+    import storage
+
+    folder = storage.cache_root() / "logs"
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
     path.write_text("".join(traceback.format_exception(e)))

@@ -7,6 +7,7 @@ from storage.artifacts import (
     ArtifactRef,
     IntegrityError,
     Store,
+    cache_root,
     content_digest,
     fingerprint,
     git_sha,
@@ -42,7 +43,7 @@ from storage.leases import Lease, LeaseLost
 
 __all__ = [
     "ArtifactError", "ArtifactRef", "IntegrityError", "Lease", "LeaseLost", "MANIFEST", "StorageKeyError", "Store",
-    "StoreUnavailable", "check_key", "check_store", "content_digest", "create_bytes",
+    "StoreUnavailable", "cache_root", "check_key", "check_store", "content_digest", "create_bytes",
     "download_dir", "download_file", "exists", "fingerprint", "git_sha", "is_dir", "join", "list_files",
     "listing_signature", "local_file", "local_path", "normalize_url", "open_url", "read_bytes", "read_ranges", "rm",
     "scheme_of", "size_of",

@@ -163,13 +163,18 @@ def volatile_match(rel: str, patterns: Iterable[str]) -> bool:
     return any(fnmatch.fnmatchcase(rel, p) for p in patterns)
 
 
+def cache_root() -> Path:
+    """forgeline's per-user cache folder: `$FORGELINE_CACHE`, default ~/.cache/forgeline (downloaded artifacts,
+    compiled programs, indexes built from local files; each user of it keys what it keeps)."""
+    return Path(os.environ.get("FORGELINE_CACHE", Path.home() / ".cache" / "forgeline"))
+
+
 class Store:
     """An artifact store rooted at a URL (`file://…`, `s3://bucket/prefix`, `memory://…`)."""
 
     def __init__(self, root: str, cache_dir: str | Path | None = None):
         self.root = fs.normalize_url(root)
-        default_cache = Path(os.environ.get("FORGELINE_CACHE", Path.home() / ".cache" / "forgeline"))
-        self.cache_dir = Path(cache_dir) if cache_dir else default_cache / "artifacts"
+        self.cache_dir = Path(cache_dir) if cache_dir else cache_root() / "artifacts"
 
     def __repr__(self) -> str:
         return f"Store({self.root!r})"

@@ -20,11 +20,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-
-def cache_root() -> Path:
-    """forgeline's per-user cache folder: `$FORGELINE_CACHE`, default ~/.cache/forgeline."""
-    return Path(os.environ.get("FORGELINE_CACHE", Path.home() / ".cache" / "forgeline"))
-
+from storage import cache_root
 
 _jax_configured = False
 

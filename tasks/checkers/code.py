@@ -10,9 +10,10 @@ their output in the worker, and scores 1.0 when they all pass; the share that pa
 a dense reward for RL); 0.0 when the run reported nothing.
 
 Which prompts apply (`applies`, `targets`): an index from prompt text to `Target` (module, function, the
-reference body), built once per process from this interpreter's `stdlib_files()` (a few seconds: only files
-that contain `>>>` are parsed) and cached; `applies` is a dict lookup. A prompt the corpus holds twice (two
-functions with the same `def` line and docstring) is left out, as it names no one function. The index is
+reference body), built from this interpreter's `stdlib_files()` (a few seconds: only files that contain `>>>`
+are parsed), kept per process and in forgeline's cache folder under a key of what it is built from; `applies` is a
+dict lookup. A prompt the corpus holds twice (two functions with the same `def` line and docstring) is left out,
+as it names no one function. The index is
 static: it runs nothing. Some of these functions cannot pass in the sandbox whatever the body (their examples
 start processes or servers, which the sandbox refuses, or are sketches that do not run as written), so
 `applies` is not a promise that a reward of 1.0 is reachable; `reference_passes(prompt)` runs the function's
@@ -70,15 +71,21 @@ from __future__ import annotations
 
 import ast
 import collections
+import dataclasses
 import doctest
 import functools
+import hashlib
 import inspect
 import json
+import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import storage
 from tasks.checkers.registry import register
 from tasks.checkers.sandbox import Limits, run_python
+from tasks.data import corpora
 from tasks.data.corpora import function_pairs, stdlib_files
 
 LIMITS = Limits(wall_s=10.0, cpu_s=5, memory_mb=512)
@@ -162,12 +169,10 @@ def _module_targets(group: str, source: str) -> tuple[list[str], dict[str, Targe
     return prompts, found
 
 
-@functools.cache
-def targets() -> dict[str, Target]:
-    """prompt text -> `Target`, for every prompt the checker applies to (built once per process)."""
+def _build_targets(files: list[tuple[str, Path]]) -> dict[str, Target]:
     seen: collections.Counter[str] = collections.Counter()
     found: dict[str, Target] = {}
-    for group, path in stdlib_files():
+    for group, path in files:
         try:
             source = Path(path).read_text(encoding="utf-8")
         except (UnicodeDecodeError, OSError):  # the corpus skips these too
@@ -180,9 +185,60 @@ def targets() -> dict[str, Target]:
     return {p: t for p, t in found.items() if seen[p] == 1}
 
 
+def _index_key(files: list[tuple[str, Path]]) -> str:
+    """What the index is a function of: this interpreter, the code that builds it (this module and the corpus's),
+    and every stdlib file's name, size and modification time (a stat each, no read)."""
+    h = hashlib.sha256(sys.version.encode())
+    for module in (__file__, corpora.__file__):
+        h.update(Path(module).read_bytes())
+    for group, path in files:
+        st = Path(path).stat()
+        h.update(f"{group}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()[:32]
+
+
+def _read_index(path: Path) -> dict[str, Target] | None:
+    """A cached index, or None when it is missing or not exactly what `_write_index` writes (JSON, no pickle)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        out = {p: Target(**t) for p, t in data.items()}
+    except (OSError, ValueError, TypeError, AttributeError):
+        return None
+    fields = [f.name for f in dataclasses.fields(Target)]
+    ok = all(isinstance(p, str) and all(isinstance(getattr(t, f), str) for f in fields) for p, t in out.items())
+    return out if ok else None
+
+
+def _write_index(path: Path, index: dict[str, Target]) -> None:
+    """Best effort (a read-only cache folder only costs the next process the parse): written whole, then renamed."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({p: dataclasses.asdict(t) for p, t in index.items()}), encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+@functools.cache
+def targets() -> dict[str, Target]:
+    """prompt text -> `Target`, for every prompt the checker applies to (built once per process). Parsing the
+    stdlib takes 4-6 s on a 2-core CPU, and every evaluation process of every release needs the index, so it is
+    kept in forgeline's cache folder (`$FORGELINE_CACHE/checkers/`) under a key of what it is built from
+    (`_index_key`): a changed stdlib file, interpreter or checker builds a new one."""
+    files = stdlib_files()
+    path = storage.cache_root() / "checkers" / f"code-targets-{_index_key(files)}.json"
+    index = _read_index(path)
+    if index is None:
+        index = _build_targets(files)
+        _write_index(path, index)
+    return index
+
+
 def applies(prompt: str) -> bool:
-    """Whether `prompt` is the corpus prompt of a module-level stdlib function with doctest examples."""
-    return prompt in targets()
+    """Whether `prompt` is the corpus prompt of a module-level stdlib function with doctest examples (a prompt
+    without `>>>` holds no example: no index is needed to say no, as for every prompt of other tasks)."""
+    return ">>>" in prompt and prompt in targets()
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -52,6 +52,7 @@ import importlib.metadata
 import importlib.util
 import json
 import logging
+import os
 import random
 import sysconfig
 from collections.abc import Callable, Iterator
@@ -317,18 +318,22 @@ _STDLIB_EXCLUDE = {"test", "tests", "idlelib", "site-packages", "dist-packages",
 
 
 def stdlib_files() -> list[tuple[str, Path]]:
-    """(module relative path, file) for the stdlib's own `*.py`, sorted; tests and build-specific files out."""
+    """(module relative path, file) for the stdlib's own `*.py`, sorted; tests and build-specific files out. The
+    excluded folders are pruned, not walked: an interpreter's site-packages inside the stdlib folder can hold
+    gigabytes (1.4 s of a 1.4 s listing here)."""
     root = Path(sysconfig.get_paths()["stdlib"])
     out = []
-    for p in root.rglob("*.py"):
-        rel = p.relative_to(root)
-        parts = rel.parts
-        if _STDLIB_EXCLUDE & set(parts):
-            continue
-        # machine-specific files (build paths baked in) would make the corpus differ between hosts
-        if parts[0].startswith("config-") or p.name.startswith("_sysconfigdata"):
-            continue
-        out.append((rel.as_posix(), p))
+    for folder, dirs, names in os.walk(root):
+        dirs[:] = [d for d in dirs if d not in _STDLIB_EXCLUDE]
+        for name in names:
+            if not name.endswith(".py"):
+                continue
+            p = Path(folder) / name
+            rel = p.relative_to(root)
+            # machine-specific files (build paths baked in) would make the corpus differ between hosts
+            if rel.parts[0].startswith("config-") or name.startswith("_sysconfigdata"):
+                continue
+            out.append((rel.as_posix(), p))
     out.sort()
     return out
 

@@ -58,6 +58,34 @@ def test_applies_to_module_level_functions_with_examples_only():
     assert code.module_name("json/__main__.py") is None and code.module_name("lib2to3/a-b.py") is None
 
 
+def test_the_index_is_cached_under_a_key_of_what_it_is_built_from(tmp_path, monkeypatch):
+    built = dict(code.targets())  # this process's index
+    monkeypatch.setenv("FORGELINE_CACHE", str(tmp_path))
+    code.targets.cache_clear()
+    try:
+        assert code.targets() == built  # built again, and written
+        (cached,) = (tmp_path / "checkers").glob("code-targets-*.json")
+        code.targets.cache_clear()
+        monkeypatch.setattr(code, "_build_targets", lambda files: pytest.fail("the cached index was not read"))
+        assert code.targets() == built
+        wrong_type = '{"p": {"group": 1, "module": "m", "function": "f", "docstring": "d", "reference": "r"}}'
+        for damaged in ("{not json", wrong_type, '{"p": {"group": "g"}}', "[]"):
+            cached.write_text(damaged)
+            code.targets.cache_clear()
+            monkeypatch.setattr(code, "_build_targets", lambda files: {"rebuilt": built[next(iter(built))]})
+            assert set(code.targets()) == {"rebuilt"}, damaged  # never trusted: rebuilt and rewritten
+            assert set(code._read_index(cached)) == {"rebuilt"}
+    finally:
+        code.targets.cache_clear()
+    # the key follows each input file's size and modification time
+    f = tmp_path / "mod.py"
+    f.write_text("x = 1\n")
+    key = code._index_key([("mod.py", f)])
+    assert code._index_key([("mod.py", f)]) == key
+    f.write_text("x = 22\n")
+    assert code._index_key([("mod.py", f)]) != key
+
+
 @pytest.mark.parametrize(
     "group, function",
     [("textwrap.py", "shorten"), ("statistics.py", "median_low"), ("difflib.py", "get_close_matches"),
