@@ -16,7 +16,7 @@ import pytest
 import storage
 from tasks.evaluate import load_report
 from tasks.recipe import load_recipe
-from tests.conftest import users_xla_flags
+from tests.conftest import users_cpus, users_xla_flags
 
 # ~15 minutes alone on a 2-core machine, about twice that next to the other xdist worker
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(3600)]
@@ -41,6 +41,7 @@ def test_tiny_grpo_release_passes_its_rl_gain_gate(tmp_path, measured):
         capture_output=True,
         text=True,
         timeout=3300,
+        preexec_fn=users_cpus,  # every CPU, as users run it (tests/conftest.py)
     )
     seconds = time.perf_counter() - t
     assert done.returncode == 0, done.stderr[-4000:]
