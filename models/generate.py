@@ -184,10 +184,11 @@ def generate(
     """Generate up to `max_new_tokens` per row of `prompt_ids` [B, T].
 
     Rows shorter than T are padded on `padding_side` ("left" or "right") and `prompt_lengths` [B]
-    gives the real lengths (default: all T). temperature 0 is greedy; otherwise sampling with
-    `rng` (default PRNGKey(0)) and optional nucleus `top_p` < 1. A row stops after emitting any of
-    `eos_token_id` (None: never stops early); later slots hold `pad_token_id` (default: the model
-    config's pad id, else 0). `return_hidden` (see the model's call) adds the hidden states at
+    gives the real lengths (default: all T); a model whose cache pools consecutive slots (`config.cache_extra`:
+    DeepSeek-V4) decodes left-padded rows right-padded instead, so its windows start at each row's first token.
+    temperature 0 is greedy; otherwise sampling with `rng` (default PRNGKey(0)) and optional nucleus `top_p` < 1.
+    A row stops after emitting any of `eos_token_id` (None: never stops early); later slots hold `pad_token_id`
+    (default: the model config's pad id, else 0). `return_hidden` (see the model's call) adds the hidden states at
     those indices for every token of concat(prompt_ids, tokens): [B, T + M, D] each, zeros after a
     row has stopped.
 
@@ -211,6 +212,12 @@ def generate(
     greedy = float(temperature) == 0.0
     if rng is None:
         rng = jax.random.PRNGKey(0)
+    realign = padding_side == "left" and getattr(model.config, "cache_extra", None) is not None
+    if realign:  # a cache pooling windows of consecutive slots (DeepSeek-V4's compressed entries) would pool a
+        # left-padded row's padding with its first tokens: decode the rows right-padded (the same tokens)
+        pad = (T - lengths)[:, None]  # [B, 1]
+        prompt_ids = jnp.take_along_axis(prompt_ids, (jnp.arange(T)[None, :] + pad) % T, axis=1)
+        padding_side = "right"
     graphdef, state = nnx.split(model)
     tokens, out_lengths, hidden = _generate_jit(
         graphdef, state, prompt_ids, lengths, rng, jnp.float32(temperature if not greedy else 1.0),
@@ -218,6 +225,10 @@ def generate(
         max_new_tokens=max_new_tokens, padding_side=padding_side, greedy=greedy,
         use_top_p=not greedy and float(top_p) < 1.0, return_hidden=tuple(return_hidden), num_samples=num_samples,
     )
+    if realign and return_hidden:  # the prompt's hidden states back in the caller's (left-padded) slots
+        back = jnp.concatenate([(jnp.arange(T)[None, :] - pad) % T, jnp.broadcast_to(jnp.arange(T, hidden[0].shape[1]),
+                                                                                  (B, hidden[0].shape[1] - T))], 1)
+        hidden = [jnp.take_along_axis(h, back[:, :, None], axis=1) for h in hidden]
     return GenerateOutput(tokens=tokens, lengths=out_lengths, hidden=hidden if return_hidden else None)
 
 

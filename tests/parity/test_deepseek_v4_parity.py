@@ -123,6 +123,24 @@ def test_cached_decoding_and_generate_equal_the_full_forward(ckpt):
     assert_generate_is_the_forwards_argmax(ours, prompt, lengths, np.asarray(out.tokens), longer_than=2 * 8)
 
 
+def test_a_padded_row_generates_what_it_does_alone(ckpt):
+    """A 5-token prompt batched with an 11-token one, padded on either side, generates what it does alone, past the
+    window and both compression rates: the compressed windows pool from each row's first token (left padding
+    would pool the padding with it: `generate` decodes such rows right-padded), and the prompt's hidden states
+    come back in the caller's slots."""
+    _, _, ours, _ = ckpt
+    short = IDS[0, :5]
+    alone = np.asarray(generate(ours, jnp.asarray(short[None]), max_new_tokens=14).tokens)[0]
+    _, (feature,) = jax.jit(lambda x: ours(x, return_hidden=(1,)))(jnp.asarray(short[None]))  # [1, 5, D]
+    for side, at in (("left", slice(6, 11)), ("right", slice(0, 5))):
+        batch = np.zeros((2, 11), np.int32)
+        batch[0, at], batch[1] = short, IDS[1, :11]
+        out = generate(ours, jnp.asarray(batch), prompt_lengths=jnp.asarray([5, 11]), padding_side=side,
+                       max_new_tokens=14, return_hidden=(1,))
+        assert np.array_equal(np.asarray(out.tokens)[0], alone), side
+        assert rel_err(np.asarray(out.hidden[0])[0, at], np.asarray(feature)[0]) <= 1e-5, side
+
+
 def test_verify_and_roll_back_through_the_compressed_cache_equals_transformers(ckpt):
     """Speculative decoding's target calls: a block of W = 4 tokens of which each row accepts a random prefix
     (the rest are wrong tokens), then a rollback to the accepted length, from 4 tokens to all 24. The accepted
