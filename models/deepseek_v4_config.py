@@ -142,6 +142,16 @@ class DeepseekV4Config:
         """k = the rotated K=V sliding key (1 × Hd); no v (K = V; the compressors' state is `cache_extra`)."""
         return (1, self.head_dim), (1, 0)
 
+    def kv_cache_values_per_token(self) -> float:
+        """Cache values one token adds per layer, averaged over the layers: its sliding key (Hd; every slot is kept)
+        and 1/m of a compressed entry (Hd, with CSA's indexer entry DI). The open windows' ring is a constant per
+        row, not per token."""
+        Hd, DI = self.head_dim, self.index_head_dim
+        entry = {SLIDING: 0, CSA: Hd + DI, HCA: Hd}
+        per = [Hd + (entry[kind] / self.compress_rate(i) if kind != SLIDING else 0)
+               for i, kind in enumerate(self.layer_types)]
+        return sum(per) / len(per)
+
     def cache_extra(self, batch: int, max_len: int, dtype: Any, call_width: int = 1) -> dict[str, dict[str, jax.Array]]:
         """The compressed layers' cache state (`KVCache.extra`), per layer i (key str(i)):
         `entries` [B, S // m, Hd] (entry w, rotated, at row w), for CSA `index` [B, S // m, DI] (the indexer's

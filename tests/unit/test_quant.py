@@ -324,3 +324,26 @@ def test_speculative_decoding_against_a_quantized_target():
     ref = np.asarray(generate(model, ids, max_new_tokens=12).tokens)
     out = speculative_generate(model, MTPDraft(model), ids, max_new_tokens=12, k=3)
     np.testing.assert_array_equal(np.asarray(out.tokens), ref)
+
+
+@pytest.mark.parametrize("architecture", ["LlamaForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM",
+                                          "GptOssForCausalLM", "DeepseekV4ForCausalLM"])
+def test_kv_cache_bytes_are_what_the_cache_allocates_per_token(architecture):
+    """The report's KV bytes per token and layer (bf16) equal what `KVCache.init` allocates for a sequence, per
+    token and layer: K and V heads, MLA's latent and RoPE key (with DSA's indexer key), and DeepSeek-V4's
+    sliding key plus its compressed entries (not the open windows' ring: a constant per row)."""
+    import types
+
+    from models.families import family
+    from models.generate import KVCache
+    from models.quant import kv_cache_bytes
+
+    config = family(architecture)[0].tiny()
+    S = 256  # a multiple of every compression rate
+    cache = KVCache.init(config, 1, S, jnp.bfloat16)
+    extra = [a for layer in (cache.extra or {}).values() for name, a in layer.items() if name != "ring"]
+    per_slot = [cache.k, cache.v, *extra]
+    allocated = sum(a.nbytes for a in per_slot) / (S * config.num_hidden_layers)
+    report = kv_cache_bytes(types.SimpleNamespace(config=config), None)
+    assert report["bf16_kv_bytes_per_token_per_layer"] == pytest.approx(allocated, rel=1e-12), report
+    assert report["kv_bytes_per_token_per_layer"] == report["bf16_kv_bytes_per_token_per_layer"]
