@@ -51,8 +51,12 @@ def die_with_launcher() -> None:
 
 
 def _progress(step: int, total: int, metrics: dict[str, float]) -> None:
-    print(PROGRESS_PREFIX + json.dumps({"step": step, "total": total, "metrics": metrics}, default=float),
-          flush=True)
+    """One `@progress {json}` line, written whole in one call: with PYTHONUNBUFFERED, `print` writes the text and
+    its newline separately, and a stderr line landing between the two (both go into the launcher's one pipe)
+    joined the progress line."""
+    line = PROGRESS_PREFIX + json.dumps({"step": step, "total": total, "metrics": metrics}, default=float)
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
 
 
 def line_router(progress: Any, log: logging.Logger) -> Any:
@@ -61,9 +65,17 @@ def line_router(progress: Any, log: logging.Logger) -> Any:
 
     def on_line(i: int, line: str) -> None:
         if line.startswith(PROGRESS_PREFIX):
+            body = line[len(PROGRESS_PREFIX):]
+            try:  # progress is for the UI: output another process joined to the line is logged, never fatal
+                p, end = json.JSONDecoder().raw_decode(body)
+                step, total, metrics = p["step"], p["total"], p["metrics"]
+            except (ValueError, KeyError, TypeError):
+                log.info("[p%d] %s", i, line)
+                return
             if progress is not None and i == 0:
-                p = json.loads(line[len(PROGRESS_PREFIX):])
-                progress(p["step"], p["total"], p["metrics"])
+                progress(step, total, metrics)
+            if body[end:].strip():
+                log.info("[p%d] %s", i, body[end:].strip())
             return
         log.info("[p%d] %s", i, line)
 
