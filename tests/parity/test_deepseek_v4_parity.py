@@ -130,7 +130,8 @@ def test_a_padded_row_generates_what_it_does_alone(ckpt):
     come back in the caller's slots."""
     _, _, ours, _ = ckpt
     short = IDS[0, :5]
-    alone = np.asarray(generate(ours, jnp.asarray(short[None]), max_new_tokens=14).tokens)[0]
+    # row 0 of the unpadded batch is the short prompt alone (the call the test above compiled, shapes and all)
+    alone = np.asarray(generate(ours, jnp.asarray(IDS[:, :5]), max_new_tokens=14).tokens)[0]
     _, (feature,) = jax.jit(lambda x: ours(x, return_hidden=(1,)))(jnp.asarray(short[None]))  # [1, 5, D]
     for side, at in (("left", slice(6, 11)), ("right", slice(0, 5))):
         batch = np.zeros((2, 11), np.int32)
