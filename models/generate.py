@@ -226,8 +226,8 @@ def generate(
         use_top_p=not greedy and float(top_p) < 1.0, return_hidden=tuple(return_hidden), num_samples=num_samples,
     )
     if realign and return_hidden:  # the prompt's hidden states back in the caller's (left-padded) slots
-        back = jnp.concatenate([(jnp.arange(T)[None, :] - pad) % T, jnp.broadcast_to(jnp.arange(T, hidden[0].shape[1]),
-                                                                                  (B, hidden[0].shape[1] - T))], 1)
+        slots = jnp.arange(hidden[0].shape[1])[None, :]  # [1, T + M]
+        back = jnp.where(slots < T, (slots - pad) % T, slots)  # [B, T + M]
         hidden = [jnp.take_along_axis(h, back[:, :, None], axis=1) for h in hidden]
     return GenerateOutput(tokens=tokens, lengths=out_lengths, hidden=hidden if return_hidden else None)
 

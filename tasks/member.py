@@ -66,7 +66,7 @@ def line_router(progress: Any, log: logging.Logger) -> Any:
     def on_line(i: int, line: str) -> None:
         if line.startswith(PROGRESS_PREFIX):
             body = line[len(PROGRESS_PREFIX):]
-            try:  # progress is for the UI: output another process joined to the line is logged, never fatal
+            try:  # progress is for the UI: what the process's stderr joined to the line is logged, never fatal
                 p, end = json.JSONDecoder().raw_decode(body)
                 step, total, metrics = p["step"], p["total"], p["metrics"]
             except (ValueError, KeyError, TypeError):

@@ -269,10 +269,12 @@ def kv_cache_bytes(model: nnx.Module, kv_cache: str | None) -> dict[str, Any]:
     bytes per layer, not per token. A family whose cache keeps more than one entry per slot says how much per
     token (`config.kv_cache_values_per_token`, DeepSeek-V4: its compressed entries too, averaged over layers)."""
     c = model.config
-    per_token = getattr(c, "kv_cache_values_per_token", None)
-    dims = getattr(c, "kv_cache_dims", None)  # MLA: its latent and RoPE key instead of K and V heads
-    (kk, hk), (kv, hv) = dims() if dims else ((c.num_key_value_heads, c.head_dim),) * 2
-    values = per_token() if per_token else kk * hk + kv * hv
+    if (per_token := getattr(c, "kv_cache_values_per_token", None)) is not None:
+        values = per_token()
+    else:
+        dims = getattr(c, "kv_cache_dims", None)  # MLA: its latent and RoPE key instead of K and V heads
+        (kk, hk), (kv, hv) = dims() if dims else ((c.num_key_value_heads, c.head_dim),) * 2
+        values = kk * hk + kv * hv
     per = 1 if kv_cache == "fp8" else 2
     return {"kv_bytes_per_token_per_layer": values * per, "bf16_kv_bytes_per_token_per_layer": values * 2,
             "kv_bytes_ratio_vs_bf16": per / 2}
