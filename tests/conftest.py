@@ -143,6 +143,27 @@ def _drop_compiled_programs():
     gc.collect()
 
 
+# A command's `main` run in-process (the stage CLIs: tasks/cli.py `stage_main`) calls `logging.basicConfig(force=True)`,
+# which puts a handler on the root logger writing to the sys.stderr of that moment: under `capsys`, a capture
+# stream closed when the test ends. Every later test in the worker that logged through the root logger then
+# wrote to a closed file (test_quant.py's stage-CLI test, then test_gang.py in one process: "ValueError: I/O
+# operation on closed file" from Prefect's flow-run log). Each test gets the root logger back as it found it.
+@pytest.fixture(autouse=True)
+def _restore_root_logger():
+    import logging
+
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    for handler in root.handlers[:]:
+        if handler not in handlers:
+            root.removeHandler(handler)
+    for handler in handlers:
+        if handler not in root.handlers:
+            root.addHandler(handler)
+    root.setLevel(level)
+
+
 @pytest.fixture(scope="session")
 def s3_env(tmp_path_factory):
     """A running SeaweedFS on 127.0.0.1; yields its AWS_* variables, which are also exported so that
