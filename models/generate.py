@@ -30,6 +30,13 @@ from flax import nnx
 # ------------------------------------------------------------------------------------------------
 
 
+def pools_slots(config: Any) -> bool:
+    """Whether a family's cache keeps state built from consecutive slots (`config.cache_extra`: DeepSeek-V4's
+    compressed windows): a row's tokens must then sit in consecutive slots from slot 0 (no left padding, no
+    tree branches side by side)."""
+    return getattr(config, "cache_extra", None) is not None
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
@@ -212,7 +219,7 @@ def generate(
     greedy = float(temperature) == 0.0
     if rng is None:
         rng = jax.random.PRNGKey(0)
-    realign = padding_side == "left" and getattr(model.config, "cache_extra", None) is not None
+    realign = padding_side == "left" and pools_slots(model.config)
     if realign:  # a cache pooling windows of consecutive slots (DeepSeek-V4's compressed entries) would pool a
         # left-padded row's padding with its first tokens: decode the rows right-padded (the same tokens)
         pad = (T - lengths)[:, None]  # [B, 1]

@@ -57,7 +57,7 @@ import numpy as np
 from flax import nnx
 
 from models.decoder import DecoderLM, build_context
-from models.generate import KVCache, _eos_array
+from models.generate import KVCache, _eos_array, pools_slots
 
 # ------------------------------------------------------------------------------------------------
 # Draft heads
@@ -127,7 +127,7 @@ def tree_unsupported(target: object) -> str | None:
     """Why `mode='tree'` cannot verify against `target`, or None when it can: a target whose cache keeps state
     built from consecutive slots (`config.cache_extra`, DeepSeek-V4's compressed windows) would mix a tree's
     branches, which sit in consecutive slots, into one window."""
-    if getattr(getattr(target, "config", None), "cache_extra", None) is not None:
+    if pools_slots(getattr(target, "config", None)):
         return (f"{type(target).__name__}: its cache keeps state built from consecutive slots (compressed "
                 "windows), which a tree's branches would mix")
     return None

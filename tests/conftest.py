@@ -6,6 +6,7 @@ from __future__ import annotations
 import atexit
 import gc
 import json
+import logging
 import os
 import re
 import shutil
@@ -150,8 +151,6 @@ def _drop_compiled_programs():
 # operation on closed file" from Prefect's flow-run log). Each test gets the root logger back as it found it.
 @pytest.fixture(autouse=True)
 def _restore_root_logger():
-    import logging
-
     root = logging.getLogger()
     handlers, level = root.handlers[:], root.level
     yield
