@@ -112,7 +112,7 @@ _pin_xdist_worker()  # before JAX starts its CPU client (configure_jax only sets
 def users_cpus() -> None:
     """A `preexec_fn` that gives a test's child process the CPUs a user's process has (all of the machine's), not
     its pinned worker's share: for the tests that run a recipe as users run it and hold it to its measured
-    targets. With one XLA thread instead of two, the tiny-grpo release's 400-step base, SFT and RL ran on other
+    targets. With one XLA thread instead of two, the tiny-grpo release (its recipe then: a 400-step base) ran on other
     floating-point sums, and its held-out greedy pass@1 went 29.3 % -> 31.6 % under RL (+2.3 points; the
     recipe's documented run, which the previous full test run here reproduced with two threads: 33.2 % -> 50.4 %)."""
     os.sched_setaffinity(0, USERS_CPUS)
@@ -176,6 +176,19 @@ def s3_env(tmp_path_factory):
 # The default recipe shrunk to a CPU smoke size (about a minute end to end), with its own declared gates.
 SMOKE = str(ROOT / "tests" / "recipes" / "smoke.yaml")
 SMOKE_MOE = str(ROOT / "tests" / "recipes" / "smoke-moe.yaml")
+
+
+@pytest.fixture(scope="session")
+def tiny_release_store(tmp_path_factory) -> str:
+    """A file store that the tiny recipes' releases of this test run share, across the pytest-xdist workers: the
+    default release (tests/integration/test_default_release.py) and the tiny-grpo one (test_grpo_release.py)
+    start from the same scratch-pretrained base, whose stage fingerprint is the same in both, so the first of them
+    to take the base's lease computes it and the other waits for its commit (storage's leases, as two users'
+    releases on one store do) instead of training it again. Created empty for each run: nothing carries over."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # .../pytest-N/popen-gwK: the run's folder is the workers' parent
+        root = root.parent
+    return f"file://{root / 'tiny-releases'}/artifacts"
 
 
 @pytest.fixture(scope="session")

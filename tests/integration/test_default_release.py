@@ -1,5 +1,7 @@
-"""The README's first command, for real: `forgeline release` on the built-in default recipe, in a
-fresh store, then again (every stage skipped). Heavy (~10 minutes on 2 cores): `pytest -m slow`."""
+"""The README's first command, for real: `forgeline release` on the built-in default recipe, then again (every
+stage skipped). Its store is the test run's `tiny_release_store`, empty when the run starts: the tiny-grpo
+release (test_grpo_release.py) starts from the same scratch-pretrained base, and whichever of the two reaches the
+base stage first trains it while the other waits for its commit. Heavy (~10 minutes on 2 cores): `pytest -m slow`."""
 
 from __future__ import annotations
 
@@ -30,8 +32,8 @@ def _release(store: str, tmp_path) -> tuple[subprocess.CompletedProcess, float]:
     return done, time.perf_counter() - t
 
 
-def test_default_release_meets_its_targets(tmp_path, measured):
-    store = f"file://{tmp_path}/artifacts"
+def test_default_release_meets_its_targets(tmp_path, tiny_release_store, measured):
+    store = tiny_release_store  # shared with the tiny-grpo release, which starts from the same base (conftest.py)
     done, first = _release(store, tmp_path)
     assert done.returncode == 0, done.stderr[-4000:]
     url = done.stdout.strip().splitlines()[-1]

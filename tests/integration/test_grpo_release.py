@@ -1,7 +1,9 @@
 """The tiny-grpo recipe, for real: `forgeline release --recipe tiny-grpo` in a fresh store (SFT on the built-in
 `letters` task, then GRPO against its checker), held to its gate on what RL adds: the held-out pass@1 (T=0) after
-RL minus at its SFT start, at least `evaluate.gates.min_rl_accuracy_gain`. Heavy (~15 minutes on 2 cores):
-`pytest -m slow`. Nothing is shared with other tests: no other test builds this recipe's stages.
+RL minus at its SFT start, at least `evaluate.gates.min_rl_accuracy_gain`. Heavy (~12 minutes on 2 cores):
+`pytest -m slow`. The store is the test run's `tiny_release_store`, shared with the default release
+(test_default_release.py): the recipe starts from the default recipe's base, which one of the two trains and the
+other waits for; every later stage is this recipe's own.
 """
 
 from __future__ import annotations
@@ -24,10 +26,12 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(360
 RL_GATE = "RL (letters): held-out pass@1 gain over its start (T=0)"
 
 
-def test_tiny_grpo_release_passes_its_rl_gain_gate(tmp_path, measured):
-    floor = load_recipe("tiny-grpo").evaluate.gates.min_rl_accuracy_gain
+def test_tiny_grpo_release_passes_its_rl_gain_gate(tmp_path, tiny_release_store, measured):
+    grpo, tiny = load_recipe("tiny-grpo"), load_recipe("tiny")
+    floor = grpo.evaluate.gates.min_rl_accuracy_gain
     assert floor > 0, "tiny-grpo gates on its RL gain"
-    store = f"file://{tmp_path}/artifacts"
+    assert grpo.base == tiny.base, "the recipe starts from the default recipe's base, which the two tests share"
+    store = tiny_release_store
     # compiled at XLA's default level, as users run it (the rest of the test run compiles at -O0: tests/conftest.py)
     env = {
         **users_xla_flags(dict(os.environ)),
