@@ -8,7 +8,7 @@ mean anything here):
    tokens/s of tasks.training.trainer.Trainer's step vs a transformers LlamaForCausalLM + torch AdamW step on the
    same config and batch (benchmarks.run.bench_train), and MFU = tokens/s × model FLOPs per token
    (tasks.training.flops.train_flops_per_token, PaLM appendix B) ÷ this machine's jitted f32 matmul peak
-   (tasks.training.flops.matmul_peak_flops, measured here);
+   (tasks.training.flops.measure_matmul_flops, measured here);
 2. ours, LoRA (r=16 on every attention and MLP projection) vs full: tokens/s, MFU (LoRA counts 4 FLOPs
    per frozen weight and 6 per adapter weight, see train_flops_per_token), trainable parameters, the
    bytes of trainable parameters + optimizer state (Trainer.state()), and XLA's compiled memory
@@ -31,7 +31,7 @@ from flax import nnx
 import models
 from benchmarks.run import _best, bench_train, matmul_peak
 from tasks.training.config import TrainConfig
-from tasks.training.flops import matmul_params_per_token, matmul_peak_flops, train_flops_per_token
+from tasks.training.flops import matmul_params_per_token, measure_matmul_flops, train_flops_per_token
 from tasks.training.trainer import Trainer
 
 LORA_RANK, LORA_ALPHA = 16, 32
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> None:
 
     # Other work shares these machines: every number is the best over interleaved rounds, so that a
     # disturbed moment costs one sample, not one variant.
-    peaks = [matmul_peak_flops(jnp.float32)]  # GFLOP/s below; tasks.training.flops' measurement, cached per process
+    peaks = [measure_matmul_flops(jnp.float32)]  # GFLOP/s below; measured now (not training's cached reading)
     full, lora = Ours(cfg, batch, seq, lora=False), Ours(cfg, batch, seq, lora=True)
     ours_tps = torch_tps = peak_torch = 0.0
     for _ in range(rounds):

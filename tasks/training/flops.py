@@ -7,18 +7,23 @@ active experts (each family's `layer_flops` in models/). The exact conventions a
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import socket
 import time
+from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from models.flops import LayerFlops
+from storage import cache_root
 
 # -- peak FLOP/s -----------------------------------------------------------------------------------
 
-_PEAK: dict[tuple[str, str, int], float] = {}
+_PEAK: dict[str, float] = {}
 
 
 def measure_matmul_flops(dtype: Any = jnp.float32, n: int = 2048, repeats: int = 10) -> float:
@@ -36,13 +41,38 @@ def measure_matmul_flops(dtype: Any = jnp.float32, n: int = 2048, repeats: int =
 
 
 def matmul_peak_flops(dtype: Any = jnp.float32, n: int = 2048, repeats: int = 10) -> float:
-    """`measure_matmul_flops`, cached per (backend, dtype, n): measured once per process, so only
-    compare MFU numbers taken in the same run; on a machine shared with other work the reading can be
-    low (MFU then reads high)."""
-    key = (jax.default_backend(), jnp.dtype(dtype).name, n)
-    if key not in _PEAK:
-        _PEAK[key] = measure_matmul_flops(dtype, n, repeats)
+    """`measure_matmul_flops`, measured once per machine: the reading is kept in forgeline's cache folder
+    (`$FORGELINE_CACHE/matmul_peak.json`) under the host, jax's version, the backend, the device kind, the CPUs
+    this process may use (XLA:CPU sizes its thread pool by them), the dtype and `n`, and every later process
+    there reads it instead (a reading took 1.5-3 s of each training process's start on 2 CPU cores). Only
+    compare MFU numbers taken against the same reading; on a machine busy with other work the reading can be
+    low (MFU then reads high): delete the file to measure again."""
+    key = "|".join((socket.gethostname(), jax.__version__, jax.default_backend(), jax.devices()[0].device_kind,
+                    str(len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()),
+                    jnp.dtype(dtype).name, str(n)))
+    if key in _PEAK:
+        return _PEAK[key]
+    path = cache_root() / "matmul_peak.json"
+    known = _read_peaks(path)
+    if not (isinstance(known.get(key), float) and known[key] > 0):
+        known = {**_read_peaks(path), key: measure_matmul_flops(dtype, n, repeats)}
+        try:  # whole or not at all: another process may read (or write) it at the same moment
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(known, indent=1, sort_keys=True))
+            os.replace(tmp, path)
+        except OSError:  # a read-only cache folder: this process keeps its reading to itself
+            pass
+    _PEAK[key] = known[key]
     return _PEAK[key]
+
+
+def _read_peaks(path: Path) -> dict[str, float]:
+    try:
+        found = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return {k: v for k, v in found.items() if isinstance(v, float)} if isinstance(found, dict) else {}
 
 
 # -- model FLOPs per token -------------------------------------------------------------------------
