@@ -82,13 +82,16 @@ def make_base(arch: str, out: str) -> None:
 
 @pytest.mark.parametrize("arch", ["Qwen3MoeForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM",
                                   "GlmMoeDsaForCausalLM", "DeepseekV4ForCausalLM"])
-def test_release_on_an_moe_base(tmp_path, arch):
+def test_release_on_an_moe_base(tmp_path, arch, prefect_harness):
+    from prefect.settings import PREFECT_API_URL
+
     base = str(tmp_path / "base")
     make_base(arch, base)
     store = f"file://{tmp_path}/artifacts"
     # int4 GPTQ in groups of 16: the narrowest widths here (moe_intermediate_size 32, kv_lora_rank 16) need it
     sets = [a for s in ["quantize.schemes=[int8,w4a16-gptq-g16]", *RELEASE_SETS.get(arch, [])] for a in ("--set", s)]
-    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "FORGELINE_WORKDIR": str(tmp_path / "work")}
+    # the session's Prefect test server, not an ephemeral one per release (~15 s each to start on 2 cores)
+    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value(), "FORGELINE_WORKDIR": str(tmp_path / "work")}
     done = subprocess.run([sys.executable, "-m", "flows.cli", "release", "--recipe", SMOKE_MOE, "--store", store,
                            "--set", f"base.url=file://{base}", *sets], env=env, capture_output=True, text=True,
                           timeout=1200)
