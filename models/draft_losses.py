@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -111,3 +112,44 @@ def draft_loss(logits: jax.Array, targets: jax.Array, objective: Objective = "kl
         term = w * OBJECTIVES[name](logits, targets)
         total = term if total is None else total + term
     return total
+
+
+# -- the target's side: its logits restricted to the draft vocabulary ---------------------------------------
+
+
+class TargetHead(NamedTuple):
+    """The target's logits in factored form, `hidden @ head.T`: its last normed hidden states `hidden` [..., D_t]
+    and its LM head `head` [V, D_t] (HF layout). A draft's loss reads the target only at the draft vocabulary's
+    columns plus whether the target's argmax is among them (`restricted_targets`), which two matmuls over the
+    head's rows give without materialising and gathering [..., V] logits."""
+
+    hidden: jax.Array
+    head: jax.Array
+
+    def at(self, index: jax.Array) -> TargetHead:
+        """The hidden states at positions `index` [B, M] along axis 1: hidden [B, T, D_t] -> [B, M, D_t]."""
+        return TargetHead(jnp.take_along_axis(self.hidden, index[..., None], axis=1), self.head)
+
+
+def restricted_targets(target: jax.Array | TargetHead, token_ids: jax.Array,
+                       in_vocab: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(the target's logits at the draft vocabulary's columns [..., Vd] fp32, whether the target's
+    full-vocabulary argmax is a draft token [...] bool), from its full logits [..., V] or a `TargetHead`.
+
+    token_ids [Vd]: the draft vocabulary as target ids (ascending); in_vocab [V] bool: its indicator (`t2d`).
+    From a TargetHead, the restricted logits are hidden @ head[token_ids].T and the argmax test compares their
+    maximum with the maximum over the other V - Vd rows: the same FLOPs as the full logits, without the [.., V]
+    column gather and the argmax over V (on a 2-core CPU: 54 ms instead of 145 for 2,048 positions, V 4,096,
+    Vd 2,048). Where a draft token and another tie for the maximum, it counts as the draft's (argmax over the
+    full logits takes the lower id; float ties between different rows of a trained head do not occur in practice)."""
+    if not isinstance(target, TargetHead):
+        full = target.astype(jnp.float32)  # [..., V]
+        return jnp.take(full, token_ids, axis=-1), jnp.take(in_vocab, jnp.argmax(full, axis=-1))
+    hidden, head = target.hidden.astype(jnp.float32), target.head.astype(jnp.float32)
+    restricted = jnp.einsum("...d,vd->...v", hidden, jnp.take(head, token_ids, axis=0))  # [..., Vd]
+    others = head.shape[0] - token_ids.shape[0]
+    if others == 0:  # the draft vocabulary is the target's
+        return restricted, jnp.ones(restricted.shape[:-1], bool)
+    other_ids = jnp.nonzero(~in_vocab, size=others, fill_value=0)[0]  # [V - Vd]
+    rest = jnp.einsum("...d,vd->...v", hidden, jnp.take(head, other_ids, axis=0))  # [..., V - Vd]
+    return restricted, jnp.max(restricted, axis=-1) >= jnp.max(rest, axis=-1)

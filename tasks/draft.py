@@ -53,6 +53,7 @@ from flax import nnx
 
 import models
 from models.draft_format import draft_kind
+from models.draft_losses import TargetHead
 from models.drafts import kind_of, load_draft, save_draft, target_head
 from models.eagle3 import build_draft_vocab
 from models.layers import Buffer, param
@@ -150,7 +151,7 @@ def _eagle3_build(f: Fresh) -> nnx.Module:
     return Eagle3Draft(_eagle3_config(f), rngs=f.rngs)
 
 
-def _ttt_loss(trainee: Any, batch: dict[str, jax.Array], features: jax.Array, logits: jax.Array, *, steps: int,
+def _ttt_loss(trainee: Any, batch: dict[str, jax.Array], features: jax.Array, logits: TargetHead, *, steps: int,
               decay: float, unroll: Callable | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
     from models.eagle3 import ttt_loss
     from models.eagle3.loss import ttt_unroll
@@ -166,7 +167,7 @@ def _peagle_build(f: Fresh) -> nnx.Module:
                                                 num_depths=f.candidate.num_depths or f.stage.k), rngs=f.rngs)
 
 
-def _peagle_loss(trainee: Any, batch: dict[str, jax.Array], features: jax.Array, logits: jax.Array, *, steps: int,
+def _peagle_loss(trainee: Any, batch: dict[str, jax.Array], features: jax.Array, logits: TargetHead, *, steps: int,
                  decay: float) -> tuple[jax.Array, dict[str, jax.Array]]:
     from models.peagle import parallel_unroll
 
@@ -183,7 +184,7 @@ def _dflash_build(f: Fresh) -> nnx.Module:
     return DFlashDraft(config, rngs=f.rngs)
 
 
-def _dflash_loss(trainee: Any, batch: dict[str, jax.Array], features: jax.Array, logits: jax.Array, *, steps: int,
+def _dflash_loss(trainee: Any, batch: dict[str, jax.Array], features: jax.Array, logits: TargetHead, *, steps: int,
                  decay: float) -> tuple[jax.Array, dict[str, jax.Array]]:
     from models.dflash import block_loss
 
@@ -235,15 +236,15 @@ class DraftTrainee(nnx.Module):
             self.target = nnx.data(None)
             self.head = param(jnp.asarray(target_head(target)), ("vocab", "embed"), Buffer)  # [V, D_t]
 
-    def target_outputs(self, batch: dict[str, jax.Array]) -> tuple[jax.Array, jax.Array]:
-        """(features [B, T, 3·D_t], target logits [B, T, V]) for the batch's packed rows."""
+    def target_outputs(self, batch: dict[str, jax.Array]) -> tuple[jax.Array, TargetHead]:
+        """(features [B, T, 3·D_t], the target's logits [B, T, V] as final hidden [B, T, D_t] @ head.T) for the
+        batch's packed rows: the losses read them at the draft vocabulary's columns only (`restricted_targets`)."""
         if self.online:  # the traces stage's own feature function: online == offline up to storage rounding
             features, final = target_features(self.target, batch, self.draft.target_layers)
-            logits = self.target.lm_logits(final)
+            head = target_head(self.target)  # [V, D_t]: lm_logits(x) == x @ head.T (tied or not)
         else:
-            features = batch["aux"]
-            logits = jnp.einsum("btd,vd->btv", batch["final"].astype(jnp.float32), self.head[...].astype(jnp.float32))
-        return jax.lax.stop_gradient(features), jax.lax.stop_gradient(logits)
+            features, final, head = batch["aux"], batch["final"], self.head[...]
+        return jax.lax.stop_gradient(features), TargetHead(jax.lax.stop_gradient(final), jax.lax.stop_gradient(head))
 
     def loss(self, batch: dict[str, jax.Array]) -> tuple[jax.Array, dict[str, jax.Array]]:
         features, logits = self.target_outputs(batch)

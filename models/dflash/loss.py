@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from models.dflash.model import DFlashDraft
-from models.draft_losses import Objective, draft_loss
+from models.draft_losses import Objective, TargetHead, draft_loss, restricted_targets
 
 
 def anchor_candidates(batch: Mapping[str, jax.Array], block_size: int) -> jax.Array:
@@ -71,14 +71,16 @@ def slot_weights(block_size: int, gamma: float) -> jax.Array:
     return jnp.where(j == 0, 0.0, jnp.exp(-jnp.maximum(j - 1.0, 0.0) / gamma))
 
 
-def block_loss(draft: DFlashDraft, batch: Mapping[str, jax.Array], features: jax.Array, target_logits: jax.Array,
+def block_loss(draft: DFlashDraft, batch: Mapping[str, jax.Array], features: jax.Array,
+               target_logits: jax.Array | TargetHead,
                *, num_anchors: int, objective: Objective = "kl_div", temperature: float = 1.0, gamma: float = 4.0,
                rng: jax.Array | None = None) -> tuple[jax.Array, dict[str, jax.Array]]:
     """DFlash block loss over one packed batch (jit / grad friendly, static shapes, no cache).
 
     batch: packed columns `input_ids` (t_p), `target_ids` (t_{p+1}), `positions`, `segment_ids`,
-    `loss_mask` [B, T]; features [B, T, num_aux·D] (f_p); target_logits [B, T, V] (the target's
-    logits at every position, full vocabulary). Anchors: `select_anchors(batch, num_anchors, bs, rng)`.
+    `loss_mask` [B, T]; features [B, T, num_aux·D] (f_p); target_logits: the target's logits at every
+    position, full vocabulary [B, T, V], or factored (models/draft_losses.py `TargetHead`, hidden [B, T, D_t]).
+    Anchors: `select_anchors(batch, num_anchors, bs, rng)`.
 
     Returns (Σ_j w_j Σ_{b,blocks} m · draft_loss(slot j), stats) with stats (each [bs-1] fp32, slots
     1..bs-1): `loss` unweighted per-slot sums, `acc_num` masked slots whose draft argmax equals the
@@ -91,18 +93,18 @@ def block_loss(draft: DFlashDraft, batch: Mapping[str, jax.Array], features: jax
     anchors, a_valid = select_anchors(batch, num_anchors, bs, rng)  # [B, n]
     logits = draft(ids, features, anchors, positions=positions, segment_ids=seg).astype(jnp.float32)  # [B,n,bs,Vd]
 
-    # labels: the target restricted to the draft vocabulary (ascending target ids == t2d columns)
-    full = target_logits.astype(jnp.float32)  # [B, T, V]
-    restricted = jnp.take(full, draft.target_token_ids, axis=-1)  # [B, T, Vd]
-    in_draft = jnp.take(draft.t2d[...], jnp.argmax(full, axis=-1))  # [B, T] bool
-
     j = jnp.arange(bs, dtype=jnp.int32)
     label_pos = anchors[..., None] + j - 1  # [B, n, bs]: slot j's label position a + j - 1
     lp = jnp.clip(label_pos, 0, T - 1).reshape(B, -1)  # [B, n·bs]
     tok = jnp.clip(anchors[..., None] + j, 0, T - 1).reshape(B, -1)  # [B, n·bs]: where t_{a+j} sits
-    labels = jnp.take_along_axis(restricted, lp[..., None], axis=1).reshape(logits.shape)  # [B, n, bs, Vd]
+    # labels: the target restricted to the draft vocabulary (ascending target ids == t2d columns), at the
+    # label positions only (a TargetHead's matmuls run there; full logits are gathered there first)
+    at_labels = target_logits.at(lp) if isinstance(target_logits, TargetHead) else jnp.take_along_axis(
+        target_logits, lp[..., None], axis=1)  # [B, n·bs, ...]
+    restricted, in_draft = restricted_targets(at_labels, draft.target_token_ids, draft.t2d[...])  # [B, n·bs, Vd]
+    labels = restricted.reshape(logits.shape)  # [B, n, bs, Vd]
     a_seg = jnp.take_along_axis(seg, anchors, axis=1)  # [B, n]
-    m = (jnp.take_along_axis(loss_mask & in_draft, lp, axis=1)
+    m = ((jnp.take_along_axis(loss_mask, lp, axis=1) & in_draft)
          & (jnp.take_along_axis(seg, tok, axis=1) == jnp.repeat(a_seg, bs, axis=1))).reshape(B, -1, bs)
     m = m & a_valid[..., None] & (j >= 1) & (label_pos >= 0) & (label_pos < T - 1)  # [B, n, bs]
     m = m.astype(jnp.float32)

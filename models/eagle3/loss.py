@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from models.decoder import build_context
-from models.draft_losses import Objective, draft_loss
+from models.draft_losses import Objective, TargetHead, draft_loss, restricted_targets
 from models.eagle3.model import Eagle3Draft
 from models.layers import NEG_INF
 
@@ -90,14 +90,15 @@ def ttt_unroll(draft: Eagle3Draft, token_ids: jax.Array, features: jax.Array, *,
         yield head(f)  # [B, T, Vd]
 
 
-def ttt_loss(draft: Eagle3Draft, batch: Mapping[str, jax.Array], features: jax.Array, target_logits: jax.Array,
+def ttt_loss(draft: Eagle3Draft, batch: Mapping[str, jax.Array], features: jax.Array,
+             target_logits: jax.Array | TargetHead,
              *, steps: int = 7, decay: float = 0.8, objective: Objective = "kl_div", temperature: float = 1.0,
              unroll: Unroll = ttt_unroll) -> tuple[jax.Array, dict[str, jax.Array]]:
     """EAGLE-3 training-time-test loss over one packed batch (jit / grad friendly, no cache).
 
     batch: data_prep's packed columns `target_ids`, `positions`, `segment_ids`, `loss_mask` [B, T]
-    (target_ids[p] = t_{p+1}); features [B, T, num_aux·D_t]; target_logits [B, T, V] (the target's
-    logits at every position).
+    (target_ids[p] = t_{p+1}); features [B, T, num_aux·D_t]; target_logits: the target's logits at every
+    position, [B, T, V] or factored (models/draft_losses.py `TargetHead`, hidden [B, T, D_t]).
 
     Step k at position p (see `ttt_unroll`; `unroll` swaps in another draft's steps, e.g. P-EAGLE's
     parallel depths) consumes target_ids[p + k] and is scored against the target's logits at p + 1 + k
@@ -116,10 +117,8 @@ def ttt_loss(draft: Eagle3Draft, batch: Mapping[str, jax.Array], features: jax.A
     seg, loss_mask = batch["segment_ids"], batch["loss_mask"] != 0
 
     # labels, once: the target restricted to the draft vocabulary (ascending target ids == t2d columns)
-    full = target_logits.astype(jnp.float32)  # [B, T, V]
-    restricted = jnp.take(full, draft.target_token_ids, axis=-1)  # [B, T, Vd]
+    restricted, in_draft = restricted_targets(target_logits, draft.target_token_ids, draft.t2d[...])  # [B,T,Vd]
     label_arg = jnp.argmax(restricted, axis=-1)  # [B, T]
-    in_draft = jnp.take(draft.t2d[...], jnp.argmax(full, axis=-1))  # [B, T] bool
     scored = loss_mask & in_draft  # [B, T]: position q may be a label
 
     total = jnp.zeros((), jnp.float32)

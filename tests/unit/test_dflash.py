@@ -19,6 +19,7 @@ import safetensors.numpy
 from flax import nnx
 
 from models.dflash import DFlashConfig, DFlashDraft, block_loss, load_dflash, save_dflash, select_anchors
+from models.draft_losses import TargetHead
 from models.eagle3 import build_draft_vocab
 from models.layers import Buffer
 from models.qwen3 import qwen3_config
@@ -301,6 +302,29 @@ def test_block_loss_matches_loop_reference(draft, objective):
                                                       gamma=gamma))(batch, feats, tl)
     ref_total, loss, num, den = reference_block_loss(draft, batch, feats, tl, n, objective, gamma)
     assert den.sum() > 10 and den[-1] > 0
+    np.testing.assert_allclose(np.asarray(stats["loss"]), loss, rtol=2e-5, atol=1e-6)
+    np.testing.assert_allclose(float(total), ref_total, rtol=2e-5)
+    assert np.asarray(stats["acc_num"]).tolist() == num.tolist()
+    assert np.asarray(stats["acc_den"]).tolist() == den.tolist()
+
+
+def test_block_loss_from_the_target_head_matches_the_loop_reference(draft):
+    """The draft stage's factored target (`TargetHead`: final hidden states and LM head, the labels computed at
+    the label positions only) gives the loop reference's sums on its full logits."""
+    batch, feats, _ = packed_batch(1)
+    rng = np.random.default_rng(7)
+    hidden = jnp.asarray(rng.normal(size=(*batch["input_ids"].shape, 12)).astype(np.float32))
+    head = np.asarray(rng.normal(size=(V, 12)).astype(np.float32))
+    used = np.asarray(draft.target_token_ids)
+    head[used[::3]] *= 3.0  # most (not all) argmaxes inside the draft vocabulary
+    head = jnp.asarray(head)
+    n, gamma = 4, 3.0
+    total, stats = jax.jit(lambda b, f, t: block_loss(draft, b, f, t, num_anchors=n, gamma=gamma))(
+        batch, feats, TargetHead(hidden, head))
+    tl = jnp.einsum("btd,vd->btv", hidden, head)
+    ref_total, loss, num, den = reference_block_loss(draft, batch, feats, tl, n, "kl_div", gamma)
+    in_vocab = np.asarray(draft.t2d[...])[np.asarray(tl).argmax(-1)]
+    assert den.sum() > 10 and 0 < in_vocab.mean() < 1
     np.testing.assert_allclose(np.asarray(stats["loss"]), loss, rtol=2e-5, atol=1e-6)
     np.testing.assert_allclose(float(total), ref_total, rtol=2e-5)
     assert np.asarray(stats["acc_num"]).tolist() == num.tolist()

@@ -20,6 +20,7 @@ from flax import nnx
 from models.deepseek_v3 import DeepseekV3Config
 from models.deepseek_v4 import DeepseekV4Config
 from models.deepseek_v32 import DeepseekV32Config
+from models.draft_losses import TargetHead, restricted_targets
 from models.eagle3 import (
     Eagle3Config,
     Eagle3Draft,
@@ -257,6 +258,43 @@ def test_the_step_loop_cases_cover_every_scoring_path(draft):
         n = batch["target_ids"].size
         paths |= {"every" if c > n // 2 else "half" if c > n // 4 else "quarter" for c in np.asarray(stats["acc_den"])}
     assert paths == {"every", "half", "quarter"}, paths
+
+
+def target_head_case(seed: int):
+    """A factored target (hidden [B, T, DT], head [V, DT]) for packed_batch(seed), its argmax outside the draft
+    vocabulary at some positions, and its full logits hidden @ head.T."""
+    rng = np.random.default_rng(100 + seed)
+    batch, feats, _ = packed_batch(seed)
+    hidden = jnp.asarray(rng.normal(size=(*batch["target_ids"].shape, DT)).astype(np.float32))
+    head = jnp.asarray(rng.normal(size=(V, DT)).astype(np.float32))
+    return batch, feats, TargetHead(hidden, head), jnp.einsum("btd,vd->btv", hidden, head)
+
+
+def test_restricted_targets_from_the_head_equal_them_from_the_full_logits(draft):
+    """The draft stage passes the target as its final hidden states and head (`TargetHead`: two matmuls over the
+    head's rows, no [B, T, V] gather); the columns and the in-vocabulary test equal those of the full logits,
+    for a pruned draft vocabulary and for the target's own."""
+    _, _, factored, full = target_head_case(0)
+    ids, t2d = draft.target_token_ids, draft.t2d[...]
+    (r1, in1), (r0, in0) = restricted_targets(factored, ids, t2d), restricted_targets(full, ids, t2d)
+    np.testing.assert_allclose(np.asarray(r1), np.asarray(r0), rtol=1e-5, atol=1e-5)
+    assert np.asarray(in1).tolist() == np.asarray(in0).tolist() and 0 < np.asarray(in0).mean() < 1
+    every = (jnp.arange(V, dtype=jnp.int32), jnp.ones(V, bool))  # the draft vocabulary is the target's
+    (r1, in1), (r0, in0) = restricted_targets(factored, *every), restricted_targets(full, *every)
+    np.testing.assert_allclose(np.asarray(r1), np.asarray(r0), rtol=1e-5, atol=1e-5)
+    assert np.asarray(in1).all() and np.asarray(in0).all()
+
+
+def test_ttt_loss_from_the_target_head_equals_the_explicit_step_loop(draft):
+    steps, decay = 4, 0.8
+    batch, feats, factored, full = target_head_case(3)
+    loss, stats = jax.jit(lambda b, f, t: ttt_loss(draft, b, f, t, steps=steps, decay=decay))(batch, feats, factored)
+    ref_total, per_step = unrolled_reference(draft, batch, feats, full, steps, decay)
+    np.testing.assert_allclose(float(loss), ref_total, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(stats["loss"]), [s[0] for s in per_step], rtol=1e-5)
+    assert np.asarray(stats["acc_num"]).tolist() == [s[1] for s in per_step]
+    assert np.asarray(stats["acc_den"]).tolist() == [s[2] for s in per_step]
+    assert per_step[0][2] > 0
 
 
 def test_training_updates_only_trainable_params():
