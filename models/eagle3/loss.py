@@ -12,6 +12,7 @@ dim, V target vocab, Vd draft vocab, k TTT step.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import jax
@@ -49,12 +50,18 @@ def ttt_attention(q: jax.Array, k0: jax.Array, v0: jax.Array, mask0: jax.Array,
     q = (q * jnp.asarray(H**-0.5, q.dtype)).reshape(B, T, K, N // K, H)  # [B, T, K, G, H]
     s0 = jnp.einsum("btkgh,bskh->bkgts", q, k0).astype(jnp.float32)  # [B, K, G, T, T]
     s0 = jnp.where(mask0[:, None, None], s0, NEG_INF)
-    cols = [jnp.einsum("btkgh,btkh->bkgt", q, kj).astype(jnp.float32)[..., None] for kj in k_diag]  # [B,K,G,T,1]
-    probs = jax.nn.softmax(jnp.concatenate([s0, *cols], axis=-1), axis=-1).astype(v0.dtype)  # [B, K, G, T, T+k]
-    out = jnp.einsum("bkgts,bskh->btkgh", probs[..., :T], v0)  # [B, T, K, G, H]
-    for j, vj in enumerate(v_diag):
-        out = out + jnp.einsum("bkgt,btkh->btkgh", probs[..., T + j], vj)
-    return out.reshape(B, T, N, H)
+    cols = [jnp.einsum("btkgh,btkh->bkgt", q, kj).astype(jnp.float32) for kj in k_diag]  # k × [B, K, G, T]
+    # one softmax over the T step-0 scores and the k diagonal ones, without concatenating them: the shared
+    # maximum, the exponentials, and the normaliser applied after the value sums (no [.., T+k] copy and slice)
+    top = jax.lax.stop_gradient(functools.reduce(jnp.maximum, cols, jnp.max(s0, axis=-1)))  # [B, K, G, T]
+    e0 = jnp.exp(s0 - top[..., None])  # [B, K, G, T, T]
+    ecols = [jnp.exp(c - top) for c in cols]
+    denom = functools.reduce(jnp.add, ecols, jnp.sum(e0, axis=-1))  # [B, K, G, T]
+    out = jnp.einsum("bkgts,bskh->btkgh", e0.astype(v0.dtype), v0).astype(jnp.float32)  # [B, T, K, G, H]
+    for ej, vj in zip(ecols, v_diag, strict=True):
+        out = out + jnp.einsum("bkgt,btkh->btkgh", ej, vj.astype(jnp.float32))
+    out = out / jnp.transpose(denom, (0, 3, 1, 2))[..., None]
+    return out.astype(v0.dtype).reshape(B, T, N, H)
 
 
 def ttt_unroll(draft: Eagle3Draft, token_ids: jax.Array, features: jax.Array, *, positions: jax.Array,
