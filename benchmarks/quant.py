@@ -383,6 +383,7 @@ def main(argv: list[str] | None = None) -> None:
         wall = time.perf_counter() - t
         agree = agreement(float_model, model, batches)  # the quantized model's perplexity, and its KL
         ppl = agree.pop("perplexity")
+        agree.pop("reference_perplexity")  # the float model's, measured once above
         sizes = disk_bytes(model, scheme)
         rows[name] = {
             "scheme": name, "perplexity": ppl, "perplexity_increase": ppl / ppl_float - 1,

@@ -109,13 +109,14 @@ def agreement(reference: nnx.Module, other: nnx.Module, batches: list[dict[str, 
     percentile and maximum (a mean can hide the few tokens whose answers change) - and top-1 agreement with its
     complement, the flip rate: the share of positions whose greedy token differs (Dutta et al. 2024, "Accuracy
     is not all you need", arXiv:2407.09141). One compiled program per batch runs both models and reduces their
-    [B, T, V] logits to per-position numbers: `other`'s logits serve its perplexity too (a separate perplexity
-    pass ran its forward a second time), and the [B, T, V] intermediates never leave the program."""
+    [B, T, V] logits to per-position numbers: each model's logits serve its perplexity too (`perplexity` and
+    `reference_perplexity`: a separate perplexity pass ran a forward a second time), and the [B, T, V]
+    intermediates never leave the program."""
     ref_def, ref_state = nnx.split(reference)
     other_def, other_state = nnx.split(other)
 
     @jax.jit
-    def scores(ref_state, other_state, batch):  # -> ce, kl, flip: [B, T] each
+    def scores(ref_state, other_state, batch):  # -> ce, reference ce, kl, flip: [B, T] each
         def logits(graphdef, state):
             m = nnx.merge(graphdef, state)
             return m(batch["input_ids"], positions=batch["positions"],
@@ -125,15 +126,17 @@ def agreement(reference: nnx.Module, other: nnx.Module, batches: list[dict[str, 
         zq = logits(other_def, other_state)
         lq = jax.nn.log_softmax(zq, -1)
         ce = optax.softmax_cross_entropy_with_integer_labels(zq, batch["target_ids"])
+        ref_ce = -jnp.take_along_axis(lp, batch["target_ids"][..., None], axis=-1)[..., 0]
         kl = (jnp.exp(lp) * (lp - lq)).sum(-1)
-        return ce, kl, lp.argmax(-1) != lq.argmax(-1)
+        return ce, ref_ce, kl, lp.argmax(-1) != lq.argmax(-1)
 
     kls, flips = [], []
-    total, count = 0.0, 0.0
+    total, ref_total, count = 0.0, 0.0, 0.0
     for b in batches:
-        ce, kl, flip = scores(ref_state, other_state, b)
+        ce, ref_ce, kl, flip = scores(ref_state, other_state, b)
         mask = np.asarray(b["loss_mask"]) > 0  # [B, T]
         total += float((ce * b["loss_mask"].astype(np.float32)).sum())
+        ref_total += float((ref_ce * b["loss_mask"].astype(np.float32)).sum())
         count += float(mask.sum())
         kls.append(np.asarray(kl)[mask])
         flips.append(np.asarray(flip)[mask])
@@ -141,7 +144,7 @@ def agreement(reference: nnx.Module, other: nnx.Module, batches: list[dict[str, 
     if kl.size == 0:
         raise ValueError("evaluate: no loss positions in the held-out batches")
     flip_rate = float(flip.mean())
-    return {"perplexity": math.exp(total / count),
+    return {"perplexity": math.exp(total / count), "reference_perplexity": math.exp(ref_total / count),
             "kl": float(kl.mean()), "kl_p99": float(np.percentile(kl, 99)), "kl_max": float(kl.max()),
             "top1_agreement": 1.0 - flip_rate, "top1_flip_rate": flip_rate, "positions": int(kl.size)}
 
@@ -531,7 +534,8 @@ def evaluate(cfg: EvalConfig, *, base: Path | None, finetuned: Path, quantized: 
         if tasks:
             accuracy["base"] = task_accuracy(base_model, tasks, cfg, decode, special["eos"], special["pad"])
         del base_model
-    report["perplexity"]["finetuned"] = perplexity(target, batches)
+    if not quantized:  # else the first quantized variant's agreement pass measures it (one forward fewer)
+        report["perplexity"]["finetuned"] = perplexity(target, batches)
     if tasks:
         accuracy["finetuned"] = task_accuracy(target, tasks, cfg, decode, special["eos"], special["pad"])
     served = target
@@ -542,6 +546,8 @@ def evaluate(cfg: EvalConfig, *, base: Path | None, finetuned: Path, quantized: 
         if scheme == cfg.spec_target:
             served = qmodel  # the model speculative decoding is measured against, loaded once
         agree = agreement(target, qmodel, batches)  # with its FP8 KV cache, if it has one
+        report["perplexity"].setdefault("finetuned", agree.pop("reference_perplexity"))
+        agree.pop("reference_perplexity", None)
         report["perplexity"][scheme] = p = agree.pop("perplexity")
         kv = quant.kv_cache_strategy(qmodel)  # what the loaded checkpoint's attention applies
         kv = None if kv is None else f"fp8-{kv}"
