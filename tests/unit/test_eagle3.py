@@ -235,17 +235,22 @@ def case_batch(draft: Eagle3Draft, seed: int, density: float, in_draft: bool):
     return batch, feats, tl
 
 
-@pytest.mark.parametrize(("seed", "density", "in_draft"), CASES)
-def test_ttt_unroll_equals_explicit_step_loop(draft, seed, density, in_draft):
-    steps, decay = 4, 0.8
-    batch, feats, tl = case_batch(draft, seed, density, in_draft)
-    loss, stats = jax.jit(lambda b, f, t: ttt_loss(draft, b, f, t, steps=steps, decay=decay))(batch, feats, tl)
-    ref_total, per_step = unrolled_reference(draft, batch, feats, tl, steps, decay)
+def assert_equals_step_loop(draft: Eagle3Draft, batch, feats, target, full_logits, steps: int = 4, decay: float = 0.8):
+    """ttt_loss on `target` (full logits or a TargetHead) equals `unrolled_reference` on the full logits: the
+    total, the per-step sums, the agreements and the counts. Returns the reference's per-step tuples."""
+    loss, stats = jax.jit(lambda b, f, t: ttt_loss(draft, b, f, t, steps=steps, decay=decay))(batch, feats, target)
+    ref_total, per_step = unrolled_reference(draft, batch, feats, full_logits, steps, decay)
     np.testing.assert_allclose(float(loss), ref_total, rtol=1e-5)
     np.testing.assert_allclose(np.asarray(stats["loss"]), [s[0] for s in per_step], rtol=1e-5)
     assert np.asarray(stats["acc_num"]).tolist() == [s[1] for s in per_step]
     assert np.asarray(stats["acc_den"]).tolist() == [s[2] for s in per_step]
-    dens = [s[2] for s in per_step]
+    return per_step
+
+
+@pytest.mark.parametrize(("seed", "density", "in_draft"), CASES)
+def test_ttt_unroll_equals_explicit_step_loop(draft, seed, density, in_draft):
+    batch, feats, tl = case_batch(draft, seed, density, in_draft)
+    dens = [s[2] for s in assert_equals_step_loop(draft, batch, feats, tl, tl)]
     assert dens[0] > dens[-1] > 0  # later steps lose the positions whose label leaves the segment
 
 
@@ -286,15 +291,8 @@ def test_restricted_targets_from_the_head_equal_them_from_the_full_logits(draft)
 
 
 def test_ttt_loss_from_the_target_head_equals_the_explicit_step_loop(draft):
-    steps, decay = 4, 0.8
     batch, feats, factored, full = target_head_case(3)
-    loss, stats = jax.jit(lambda b, f, t: ttt_loss(draft, b, f, t, steps=steps, decay=decay))(batch, feats, factored)
-    ref_total, per_step = unrolled_reference(draft, batch, feats, full, steps, decay)
-    np.testing.assert_allclose(float(loss), ref_total, rtol=1e-5)
-    np.testing.assert_allclose(np.asarray(stats["loss"]), [s[0] for s in per_step], rtol=1e-5)
-    assert np.asarray(stats["acc_num"]).tolist() == [s[1] for s in per_step]
-    assert np.asarray(stats["acc_den"]).tolist() == [s[2] for s in per_step]
-    assert per_step[0][2] > 0
+    assert assert_equals_step_loop(draft, batch, feats, factored, full)[0][2] > 0
 
 
 def test_training_updates_only_trainable_params():
