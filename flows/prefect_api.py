@@ -103,7 +103,7 @@ _SERVER: _EphemeralServer | None = None  # one per process, like Prefect's own
 
 def launch_prefect_server() -> None:
     """Start this command's ephemeral Prefect server now, when PREFECT_API_URL names none, so that it boots
-    while the command goes on importing; `_prefect_api` waits for it."""
+    while the command goes on importing; `prefect_api` waits for it."""
     global _SERVER
     from prefect.settings import PREFECT_API_URL
 

@@ -546,8 +546,8 @@ def evaluate(cfg: EvalConfig, *, base: Path | None, finetuned: Path, quantized: 
         if scheme == cfg.spec_target:
             served = qmodel  # the model speculative decoding is measured against, loaded once
         agree = agreement(target, qmodel, batches)  # with its FP8 KV cache, if it has one
-        report["perplexity"].setdefault("finetuned", agree.pop("reference_perplexity"))
-        agree.pop("reference_perplexity", None)
+        finetuned_ppl = agree.pop("reference_perplexity")
+        report["perplexity"].setdefault("finetuned", finetuned_ppl)  # from the first variant's pass
         report["perplexity"][scheme] = p = agree.pop("perplexity")
         kv = quant.kv_cache_strategy(qmodel)  # what the loaded checkpoint's attention applies
         kv = None if kv is None else f"fp8-{kv}"
