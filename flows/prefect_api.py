@@ -7,19 +7,23 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
 
-
-def _die_with_parent() -> None:
-    """In a forked child before exec (Linux): SIGTERM when the process that started it dies, however it
-    died -- a SIGKILLed CLI must not leave its ephemeral Prefect server running."""
-    import ctypes
-
+# The server's process, before it runs uvicorn (Linux): SIGTERM when the command that started it dies, however
+# it died -- a SIGKILLed CLI must not leave its ephemeral Prefect server running -- and exit at once if the
+# command is already gone. The child sets this itself: a `preexec_fn` would run Python in a fork of this
+# multithreaded (JAX) process, which can deadlock, and JAX warns on the user's terminal when one runs.
+_SERVE = """import ctypes, os, runpy, signal, sys
+if sys.platform == "linux":
     ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    if os.getppid() != int(sys.argv[1]):
+        sys.exit(0)
+sys.argv = ["uvicorn", *sys.argv[2:]]
+runpy.run_module("uvicorn", run_name="__main__", alter_sys=True)
+"""
 
 
 class _EphemeralServer:
@@ -53,12 +57,12 @@ class _EphemeralServer:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "uvicorn", "--app-dir", str(prefect.__module_path__.parent), "--factory",
-             "prefect.server.api.server:create_app", "--host", "127.0.0.1", "--port", str(self.port),
+            [sys.executable, "-c", _SERVE, str(os.getpid()), "--app-dir", str(prefect.__module_path__.parent),
+             "--factory", "prefect.server.api.server:create_app", "--host", "127.0.0.1", "--port", str(self.port),
              "--log-level", "error", "--lifespan", "on"],
             env={**os.environ, "PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1",
                  "PREFECT__SERVER_FINAL": "1", **get_current_settings().to_environment_variables(exclude_unset=True)},
-            process_group=0, preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+            process_group=0)
 
     def api_url(self) -> str:
         """The server's API URL once it answers its health check (within Prefect's ephemeral startup timeout)."""

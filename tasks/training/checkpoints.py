@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import contextvars
 import json
 import logging
 import shutil
@@ -57,7 +58,9 @@ class Checkpoints:
         self._raise_pending()
         self.manager.save(step, args=ocp.args.StandardSave(state))
         if self.remote is not None and jax.process_index() == 0:
-            self._pending = self._uploader.submit(self._upload, step)
+            # in the caller's context: its log line goes to the Prefect run that trains (a thread without it
+            # made Prefect print a UserWarning on the user's terminal at every first commit of a stage)
+            self._pending = self._uploader.submit(contextvars.copy_context().run, self._upload, step)
 
     def _upload(self, step: int) -> None:
         self.manager.wait_until_finished()

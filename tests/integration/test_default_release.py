@@ -36,6 +36,11 @@ def test_default_release_meets_its_targets(tmp_path, tiny_release_store, measure
     store = tiny_release_store  # shared with the tiny-grpo release, which starts from the same base (conftest.py)
     done, first = _release(store, tmp_path)
     assert done.returncode == 0, done.stderr[-4000:]
+    # the user's terminal shows the stage lines and logs, never a Python warning (two came from our own code:
+    # Prefect's "logs without a flow run id" from the checkpoint upload thread, JAX's fork warning from the
+    # ephemeral server's launch)
+    warned = re.findall(r"^\S+:\d+: \w*Warning: .*$", done.stderr, re.M)
+    assert not warned, warned
     url = done.stdout.strip().splitlines()[-1]
     assert url.startswith(store + "/export/")
     # report.json holds what was measured about the models, timing.json the wall-clock numbers (speedup)
