@@ -320,7 +320,7 @@ def test_release_on_workers_survives_a_killed_worker_and_equals_inline(stack, me
     # once the fine-tune's worker is killed: it computes while the workers-mode release waits for the zombie
     # automation (90 s without a heartbeat), which leaves this test's CPU idle
     inline_env = {k: v for k, v in env.items() if k not in ("PREFECT_API_URL", "PREFECT_API_AUTH_STRING")}
-    inline_out, inline_err = (tmp_path / "inline.out").open("w+"), (tmp_path / "inline.err").open("w+")
+    inline_out, inline_err = (tmp_path / "inline.out").open("w"), (tmp_path / "inline.err").open("w")
     inline = None
 
     store = f"s3://forgeline/workers-{run_id}"
@@ -368,10 +368,10 @@ def test_release_on_workers_survives_a_killed_worker_and_equals_inline(stack, me
         for p in (proc, inline):
             if p is not None and p.poll() is None:
                 p.kill()
+        inline_out.close(), inline_err.close()
     assert proc.returncode == 0, err[-3000:]
-    inline_err.seek(0), inline_out.seek(0)
-    assert inline.returncode == 0, inline_err.read()[-3000:]
-    inline_bundle = _bundle(env, inline_out.read().strip().splitlines()[-1])
+    assert inline.returncode == 0, (tmp_path / "inline.err").read_text()[-3000:]
+    inline_bundle = _bundle(env, (tmp_path / "inline.out").read_text().strip().splitlines()[-1])
     bundle = _bundle(env, out.strip().splitlines()[-1])
     # weights, adapter, draft, quantized files, report: all equal
     assert bundle.digest == inline_bundle.digest, _differences(env, f"s3://forgeline/inline-{run_id}", store)
